@@ -1,0 +1,280 @@
+"""Engine configuration: one ``EngineConfig`` with a section per layer.
+
+Sources, strongest first: keyword arguments, environment variables
+(``AIOENGINE_`` prefix, ``__`` between section and field, e.g.
+``AIOENGINE_CACHE__BLOCK_SIZE=32``), a TOML file, defaults. Sections deep-merge
+across sources, so each source may set a different field of the same section.
+
+The TOML file is the one given to :meth:`EngineConfig.from_toml`, else the one
+named by ``AIOENGINE_CONFIG``, else none. ``config.example.toml`` documents every
+field. Invalid values raise :class:`pydantic.ValidationError` at construction,
+naming the field (``cache.block_size``).
+
+This is a bottom module: it imports nothing from aioengine and never torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+__all__ = [
+    "CONFIG_ENV_VAR",
+    "CacheConfig",
+    "DeviceConfig",
+    "EngineConfig",
+    "LoadConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+]
+
+CONFIG_ENV_VAR = "AIOENGINE_CONFIG"
+"""Environment variable naming the TOML file when ``from_toml`` is not used."""
+
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+
+# The TOML path of the EngineConfig being built in this thread/task. A ContextVar
+# rather than a class attribute so concurrent from_toml calls cannot see each other's.
+_toml_path: ContextVar[Path | None] = ContextVar("aioengine_config_toml_path", default=None)
+
+_DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
+_DOTTED_NAME_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
+def _check_dotted_name(value: str) -> str:
+    if not _DOTTED_NAME_RE.fullmatch(value):
+        raise ValueError(
+            f"expected an importable 'module.Qualname' such as 'mypkg.ext.MyExtension', got {value!r}"
+        )
+    return value
+
+
+class _Section(BaseModel):
+    """Base of every section: unknown keys are errors, so a typo never passes silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    """Which checkpoint to serve and how to load its weights."""
+
+    path: str | None = Field(
+        None,
+        description="Hugging Face checkpoint directory. None serves the embedded demo model.",
+    )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer directory. None uses the checkpoint directory (`path`)."
+    )
+    dtype: DType = Field(
+        "auto",
+        description="Weight and activation dtype. 'auto' is float32 on CPU, the checkpoint's dtype on CUDA.",
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description="Longest sequence (prompt + output) in tokens. None takes it from the checkpoint config.",
+    )
+    seed: int = Field(0, description="Seed of the random generators used for sampling.")
+
+
+class CacheConfig(_Section):
+    """The paged KV cache."""
+
+    block_size: int = Field(16, description="Tokens per KV cache block: a power of two from 1 to 256.")
+    num_blocks: int | None = Field(
+        None, ge=1, description="Number of KV cache blocks. None uses the count profiled from memory."
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Host memory for the KV cache on CPU, in bytes. None: a share of free memory.",
+    )
+    memory_utilization: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of device memory (0 < x <= 1) the engine may use on CUDA, KV cache included.",
+    )
+    cache_dtype: DType = Field("auto", description="KV cache dtype. 'auto' uses the model dtype.")
+    enable_prefix_caching: bool = Field(
+        False, description="Reuse KV blocks of shared prompt prefixes. Reserved: not implemented yet."
+    )
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size_is_power_of_two(cls, value: int) -> int:
+        if not (1 <= value <= 256 and value & (value - 1) == 0):
+            raise ValueError(
+                f"block_size must be a power of two from 1 to 256 (1, 2, 4, ..., 256), got {value}"
+            )
+        return value
+
+
+class SchedulerConfig(_Section):
+    """How many sequences and tokens one engine step may batch.
+
+    Without chunked prefill a whole prompt must fit in ``max_num_batched_tokens``;
+    the engine checks that against ``max_model_len`` once the model is known.
+    """
+
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences running in one step.")
+    max_num_batched_tokens: int = Field(
+        512, ge=1, description="Most tokens (prefill + decode) computed in one step."
+    )
+    enable_chunked_prefill: bool = Field(
+        True, description="Split long prompts over several steps so decodes keep running."
+    )
+
+
+class ParallelConfig(_Section):
+    """How many workers run the model and where they live."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    tensor_parallel_size: int = Field(1, ge=1, description="Number of workers the model is sharded over.")
+    distributed_executor_backend: Literal["thread", "mp", "ray"] = Field(
+        "thread", description="Where workers run: a thread, subprocesses ('mp') or Ray actors."
+    )
+    worker_cls: str = Field(
+        "aioengine.worker.worker.Worker", description="Worker class as 'module.Qualname'."
+    )
+    worker_extension_cls: str | type | None = Field(
+        None,
+        description=(
+            "Mixin added to the worker class, as 'module.Qualname' or (from Python only) the class itself. "
+            "Its methods become callable through collective_rpc."
+        ),
+    )
+
+    @field_validator("worker_cls")
+    @classmethod
+    def _worker_cls_is_dotted(cls, value: str) -> str:
+        return _check_dotted_name(value)
+
+    @field_validator("worker_extension_cls")
+    @classmethod
+    def _worker_extension_cls_is_dotted(cls, value: str | type | None) -> str | type | None:
+        return _check_dotted_name(value) if isinstance(value, str) else value
+
+
+class DeviceConfig(_Section):
+    """The device the model runs on."""
+
+    device: str = Field(
+        "auto", description="'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'."
+    )
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads on CPU. None keeps torch's default."
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device_is_known(cls, value: str) -> str:
+        if not _DEVICE_RE.fullmatch(value):
+            raise ValueError(
+                "device must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a device index, e.g. 'cuda:0'), "
+                f"got {value!r}"
+            )
+        return value
+
+
+class LoadConfig(_Section):
+    """How checkpoint weights are read."""
+
+    load_format: Literal["safetensors"] = Field(
+        "safetensors",
+        description="Weight file format. Only safetensors: pickle formats (.bin, .pt) can run code; refused.",
+    )
+    strict: bool = Field(
+        True, description="Fail on checkpoint tensors the model does not use. False ignores them."
+    )
+
+
+def _merge_section_objects(init_settings: PydanticBaseSettingsSource) -> PydanticBaseSettingsSource:
+    """Let a section object in the kwargs override only the fields it was given.
+
+    pydantic-settings deep-merges dicts across sources but takes a model object
+    whole, so ``EngineConfig(cache=CacheConfig(num_blocks=8))`` would silently
+    drop ``cache.block_size`` set in the environment or TOML file.
+    """
+    if not isinstance(init_settings, InitSettingsSource):
+        return init_settings
+    kwargs = {
+        name: value.model_dump(exclude_unset=True) if isinstance(value, _Section) else value
+        for name, value in init_settings.init_kwargs.items()
+    }
+    return InitSettingsSource(init_settings.settings_cls, init_kwargs=kwargs)
+
+
+class EngineConfig(BaseSettings):
+    """Everything the engine can be configured with, one section per layer."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="AIOENGINE_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        case_sensitive=False,
+    )
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Checkpoint and dtype.")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="Paged KV cache.")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Batching limits.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Workers and executor.")
+    device: DeviceConfig = Field(default_factory=DeviceConfig, description="Device and CPU threads.")
+    load: LoadConfig = Field(default_factory=LoadConfig, description="Weight loading.")
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> EngineConfig:
+        """Build a config from the TOML file at ``path``.
+
+        Environment variables still override the file, and ``overrides`` (keyword
+        arguments as to the constructor) override both. A missing file is an error.
+        """
+        token = _toml_path.set(Path(path).expanduser())
+        try:
+            return cls(**overrides)
+        finally:
+            _toml_path.reset(token)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Kwargs, then environment, then the TOML file; no .env or secrets files."""
+        sources = (_merge_section_objects(init_settings), env_settings)
+        path = _toml_path.get()
+        named_by = "EngineConfig.from_toml"
+        if path is None and (env_value := os.environ.get(CONFIG_ENV_VAR)):
+            path, named_by = Path(env_value).expanduser(), CONFIG_ENV_VAR
+        if path is None:
+            return sources
+        # TomlConfigSettingsSource silently skips a missing file; a file the user named must exist.
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"config file {str(path)!r} (named by {named_by}) does not exist or is not a file; "
+                "fix the path or copy config.example.toml there"
+            )
+        try:
+            toml_source = TomlConfigSettingsSource(settings_cls, toml_file=path)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+        return (*sources, toml_source)
