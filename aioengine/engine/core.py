@@ -1,0 +1,152 @@
+"""EngineCore: the step loop on the event loop. schedule -> await execute -> publish.
+
+It never runs torch compute: the forward happens on the worker thread while the loop
+awaits its future, so other coroutines keep running during every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aioengine.engine.outputs import IncrementalDetokenizer, OutputCollector, RequestOutput
+from aioengine.errors import EngineDeadError
+from aioengine.executor.base import Executor
+from aioengine.messages import ModelRunnerOutput, SchedulerOutput
+from aioengine.scheduler.request import Request, RequestStatus
+from aioengine.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the scheduler and the per-request output state; drives the executor step by step."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Any) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.collectors: dict[str, OutputCollector] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.weights_version = 0
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.dead: BaseException | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> OutputCollector:
+        if self.dead is not None:
+            raise EngineDeadError(f"engine is not running ({self.dead}); create a new one") from self.dead
+        params = request.sampling
+        self.scheduler.add_request(request)
+        self.detokenizers[request.req_id] = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+        )
+        collector = self.collectors[request.req_id] = OutputCollector()
+        self._wake.set()
+        return collector
+
+    def abort(self, req_id: str, notify: bool = True) -> bool:
+        """Finishes a request with reason "abort"; its stream gets a last output if ``notify``."""
+        done = self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+        for request in done:
+            self._publish(request, [], "", finished=True, notify=notify)
+        self._drop(req_id)
+        return bool(done)
+
+    def _drop(self, req_id: str) -> None:
+        self.collectors.pop(req_id, None)
+        self.detokenizers.pop(req_id, None)
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="aioengine-core")
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if not self.scheduler.has_unfinished_requests():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                sched = self.scheduler.schedule()
+                if sched.is_empty:  # nothing fits this instant; wait for a change instead of spinning
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), 0.01)
+                    except TimeoutError:
+                        pass
+                    continue
+                output = await self.executor.execute_model(sched)
+                self._process(sched, output)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - any failure of a step ends every stream, never hangs it
+            logger.exception("engine step failed; the engine is dead")
+            self.fail(EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}"), cause=exc)
+
+    def _process(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        self.num_steps += 1
+        for update in self.scheduler.update_from_output(sched, output):
+            request = update.request
+            self.num_generated_tokens += len(update.new_token_ids)
+            detok = self.detokenizers.get(request.req_id)
+            if detok is None:
+                continue
+            delta, hit = detok.add(update.new_token_ids, update.finished)
+            if hit is not None:
+                request.stop_reason = hit
+                if not update.finished:
+                    self.scheduler.finish_requests([request.req_id], RequestStatus.FINISHED_STOPPED)
+                else:
+                    request.status = RequestStatus.FINISHED_STOPPED
+            finished = request.status.is_finished
+            self._publish(request, update.new_token_ids, delta, finished)
+            if finished:
+                self._drop(request.req_id)
+
+    def _publish(self, request: Request, new_ids: list[int], delta: str, finished: bool, notify: bool = True) -> None:
+        collector = self.collectors.get(request.req_id)
+        detok = self.detokenizers.get(request.req_id)
+        if collector is None or not notify:
+            return
+        collector.put(
+            RequestOutput(
+                request_id=request.req_id,
+                prompt_token_ids=request.prompt_token_ids,
+                token_ids=request.output_token_ids,
+                text=detok.text if detok else "",
+                delta_text=delta,
+                delta_token_ids=list(new_ids),
+                finished=finished,
+                finish_reason=request.finish_reason,
+                stop_reason=request.stop_reason,
+                weights_version=self.weights_version,
+                num_preemptions=request.num_preemptions,
+            )
+        )
+
+    def fail(self, error: BaseException, cause: BaseException | None = None) -> None:
+        """Marks the engine dead and ends every stream with ``error``."""
+        if self.dead is None:
+            self.dead = error
+        error.__cause__ = cause
+        for collector in self.collectors.values():
+            collector.put(error)
+        self.collectors.clear()
+        self.detokenizers.clear()
+        self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self.dead is None:
+            self.fail(EngineDeadError("engine was shut down"))

@@ -1,0 +1,121 @@
+"""What a generate() stream yields, and the incremental detokenizer that builds its text."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One update of a request; ``token_ids`` and ``text`` are cumulative, ``delta_*`` are new since the last."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    """"stop" | "length" | "abort", once finished."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the request, if one did."""
+    weights_version: int = 0
+    num_preemptions: int = 0
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text without ever emitting a broken UTF-8 character.
+
+    Ids the tokenizer cannot decode (a model vocab larger than the tokenizer's) are skipped. Stop
+    strings are cut from the text; text that might still become a stop string is held back, so a
+    stream never shows part of one.
+    """
+
+    def __init__(self, tokenizer: Any, stop: list[str], include_stop: bool, skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_limit = len(tokenizer)
+        self.stop = stop
+        self.include_stop = include_stop
+        self.skip_special = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of text already streamed
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special) if ids else ""
+
+    def add(self, token_ids: list[int], finished: bool) -> tuple[str, str | None]:
+        """Feeds new ids; returns (delta text to stream now, the stop string hit or None)."""
+        self.ids.extend(t for t in token_ids if 0 <= t < self.vocab_limit)
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.ids[self._prefix_offset :])
+        searched_from = len(self.text)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        hit = self._find_stop(searched_from)
+        end = len(self.text) if (finished or hit) else len(self.text) - self._held_back()
+        delta = self.text[self.sent : max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return delta, hit
+
+    def _find_stop(self, searched_from: int) -> str | None:
+        if not self.stop:
+            return None
+        longest = max(len(s) for s in self.stop)
+        window_start = max(0, searched_from - longest + 1)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            idx = self.text.find(s, window_start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        idx, s = best
+        self.text = self.text[: idx + len(s) if self.include_stop else idx]
+        return s
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+
+@dataclass(slots=True)
+class OutputCollector:
+    """Hands outputs from the engine loop to one consumer; merges updates if the consumer lags.
+
+    Merging instead of queueing keeps memory bounded for slow consumers and loses nothing:
+    deltas concatenate, cumulative fields take the newest value.
+    """
+
+    _pending: RequestOutput | BaseException | None = None
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        prev = self._pending
+        if isinstance(item, RequestOutput) and isinstance(prev, RequestOutput):
+            item.delta_text = prev.delta_text + item.delta_text
+            item.delta_token_ids = prev.delta_token_ids + item.delta_token_ids
+        if not isinstance(prev, BaseException):
+            self._pending = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        item, self._pending = self._pending, None
+        self._ready.clear()
+        if isinstance(item, BaseException):
+            raise item
+        assert item is not None
+        return item

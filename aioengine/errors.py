@@ -1,0 +1,38 @@
+"""Every exception a user of aioengine can see. Each message says what was wrong and what to do."""
+
+from __future__ import annotations
+
+
+class AIOEngineError(Exception):
+    """Base class of all aioengine errors."""
+
+
+class InvalidRequestError(AIOEngineError, ValueError):
+    """A request was refused at submit (empty prompt, ids outside the vocabulary, too long, ...).
+
+    The engine keeps serving every other request.
+    """
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The request can never fit: more tokens than ``max_model_len`` or than the whole KV cache."""
+
+
+class UnsupportedModelError(AIOEngineError, ValueError):
+    """The checkpoint's architecture (or a feature of it) is not implemented."""
+
+
+class CheckpointError(AIOEngineError, ValueError):
+    """The checkpoint directory is incomplete or its tensors do not match the model."""
+
+
+class EngineDeadError(AIOEngineError, RuntimeError):
+    """The engine stopped (shut down, or its worker failed); it takes no more requests."""
+
+
+class EngineNotStartedError(AIOEngineError, RuntimeError):
+    """The engine was used before ``start()`` (or ``async with``)."""
+
+
+class RequestAbortedError(AIOEngineError):
+    """Raised inside a consumer whose request failed because the engine died mid-generation."""

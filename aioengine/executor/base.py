@@ -1,0 +1,42 @@
+"""Executor: the only bridge between the event loop and the workers.
+
+Everything above runs on the asyncio loop; everything below on worker threads or processes.
+Calls return awaitables, and the data that crosses is plain and picklable (aioengine.messages).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from aioengine.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    """Runs methods on every worker and gathers their results."""
+
+    world_size: int = 1
+
+    @abstractmethod
+    async def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        """Calls ``method`` (a worker method name, or a callable taking the worker first) on every rank.
+
+        Returns a list with one result per rank, or only ``unique_reply_rank``'s result.
+        Raises ``TimeoutError`` naming the method when ``timeout`` seconds pass.
+        """
+
+    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step; the driver worker's (rank 0) output is the step's result."""
+        return await self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=0)
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stops the workers; safe to call more than once."""

@@ -1,0 +1,115 @@
+"""Small building blocks of the Llama family: RMSNorm, rotary embedding, gated MLP."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as HF transformers does (parity needs the same rounding)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """Rope settings across transformers 4.x (``rope_scaling``/``rope_theta``) and 5.x (``rope_parameters``)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling, the same numbers HF's rotary embedding uses."""
+    params = _rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        base = float(params["rope_theta"])
+        partial = float(getattr(hf_config, "partial_rotary_factor", 1.0))
+        dim = int(head_dim * partial)
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+        return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+        from aioengine.errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported; supported: default, "
+            + ", ".join(sorted(k for k in ROPE_INIT_FUNCTIONS if k != "dynamic"))
+        )
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embedding with a cos/sin table for every position up to ``max_positions``."""
+
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self._inv_freq, self._scaling = compute_inv_freq(hf_config, head_dim)
+        self.rotary_dim = self._inv_freq.numel() * 2
+        self.max_positions = max_positions
+        # Kept as buffers (not parameters): sleep level 2 saves and restores them by name.
+        self.register_buffer("cos_cached", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cached", torch.empty(0), persistent=False)
+        if self.cos_cached.device.type != "meta":  # built on meta: the loader calls reset_buffers
+            self.reset_buffers(self.cos_cached.device)
+
+    def reset_buffers(self, device: torch.device) -> None:
+        """(Re)computes the tables on ``device``; needed after the model was built on the meta device."""
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), self._inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_cached = (emb.cos() * self._scaling).to(device)
+        self.sin_cached = (emb.sin() * self._scaling).to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, Hkv, D]; returns both rotated."""
+        cos = self.cos_cached[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin_cached[positions].unsqueeze(1).to(q.dtype)
+        return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    if rotary_dim < x.shape[-1]:
+        x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+        return torch.cat((_apply(x_rot, cos, sin, rotary_dim), x_pass), dim=-1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with gate and up projections fused into one GEMM."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str) -> None:
+        super().__init__()
+        if act not in ("silu", "swish"):
+            from aioengine.errors import UnsupportedModelError
+
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported; supported: silu")
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

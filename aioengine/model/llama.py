@@ -1,0 +1,176 @@
+"""Native Llama-family model (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Module names mirror HF's so checkpoint names map one to one, except the fused projections:
+``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj`` and ``gate_proj``/``up_proj`` -> ``gate_up_proj``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from aioengine.model.attention import AttentionMetadata, paged_attention
+from aioengine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+@dataclass(frozen=True, slots=True)
+class WeightTarget:
+    """Where one checkpoint tensor goes: rows ``[offset, offset + size)`` of parameter ``param``."""
+
+    param: str
+    offset: int = 0
+    size: int | None = None  # None: the whole parameter
+
+
+def head_dim_of(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def num_kv_heads_of(hf_config: Any) -> int:
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = num_kv_heads_of(cfg)
+        self.head_dim = head_dim_of(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary, qkv_bias, o_bias, qk_norm)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, max_positions: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg), max_positions)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, self.rotary_emb, qkv_bias, o_bias, qk_norm) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole family; ``qkv_bias`` (Qwen2) and ``qk_norm`` (Qwen3) switch the differences."""
+
+    def __init__(
+        self, cfg: Any, max_positions: int, *, qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, max_positions, qkv_bias, o_bias, qk_norm)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Runs every token of the step; returns logits only for ``logits_indices`` ([S, V], float32)."""
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta)
+        x = self.model.norm(x[logits_indices])  # norm is per token: skip rows that do not sample
+        return self.lm_head(x).float()
+
+    # ---- weight names -------------------------------------------------------------------------------
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+
+    def resolve_weight(self, hf_name: str) -> WeightTarget | None:
+        """Maps a checkpoint tensor name to its place in this model; None for names to skip.
+
+        Raises KeyError for a name the model does not have.
+        """
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            return None  # old checkpoints store it; we compute it
+        if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        parts = hf_name.rsplit(".", 2)
+        if len(parts) == 3 and parts[1] in self._FUSED:
+            fused, shard = self._FUSED[parts[1]]
+            attn = self.model.layers[0].self_attn
+            sizes = (
+                (attn.q_size, attn.kv_size, attn.kv_size)
+                if fused == "qkv_proj"
+                else (self.config.intermediate_size,) * 2
+            )
+            target = WeightTarget(f"{parts[0]}.{fused}.{parts[2]}", sum(sizes[:shard]), sizes[shard])
+        else:
+            target = WeightTarget(hf_name)
+        if target.param not in self._param_names():
+            raise KeyError(hf_name)
+        return target
+
+    def _param_names(self) -> set[str]:
+        names = getattr(self, "_param_name_cache", None)
+        if names is None:
+            names = {n for n, _ in self.named_parameters(remove_duplicate=False)}
+            self._param_name_cache = names
+        return names
+
+
+def build_model(cfg: Any, max_positions: int) -> LlamaForCausalLM:
+    """Instantiates the model class for ``cfg.architectures[0]`` (parameters uninitialised)."""
+    arch = cfg.architectures[0]
+    attention_bias = bool(getattr(cfg, "attention_bias", False))
+    qwen2 = arch == "Qwen2ForCausalLM"  # q/k/v carry a bias, o_proj never does
+    return LlamaForCausalLM(
+        cfg,
+        max_positions,
+        qkv_bias=qwen2 or attention_bias,
+        o_bias=attention_bias and not qwen2,
+        qk_norm=arch == "Qwen3ForCausalLM",
+    )
+
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")

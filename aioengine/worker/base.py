@@ -1,0 +1,64 @@
+"""WorkerBase: the hardware-agnostic contract every worker keeps (seeds: worker_base.py).
+
+The Executor drives these methods through ``collective_rpc``; it never sees which device a
+worker runs on. Lifecycle: ``init_device -> load_model -> determine_available_memory ->
+initialize_from_config -> compile_or_warm_up_model``, then ``execute_model`` every step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from aioengine.messages import KVCacheConfig, ModelRunnerOutput, SchedulerOutput
+
+
+class WorkerBase(ABC):
+    """One worker per device (per tensor-parallel rank)."""
+
+    def __init__(self, config: Any, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: str | None = None, is_driver_worker: bool = True) -> None:  # fmt: skip
+        self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        self.is_driver_worker = is_driver_worker
+
+    @abstractmethod
+    def init_device(self) -> None:
+        """Binds the worker to its device, records its free memory, seeds RNGs."""
+
+    @abstractmethod
+    def load_model(self) -> None:
+        """Loads the weights onto the device."""
+
+    @abstractmethod
+    def get_model_info(self) -> dict[str, Any]:
+        """Layer/head counts, vocab size, max length and EOS ids of the loaded model."""
+
+    @abstractmethod
+    def get_cache_block_size_bytes(self) -> int:
+        """Bytes of one KV block across all layers."""
+
+    @abstractmethod
+    def determine_available_memory(self) -> int:
+        """Bytes this worker can give to the KV cache (after a profiling forward on accelerators)."""
+
+    @abstractmethod
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocates the KV cache the engine decided on; the worker does not pick its size."""
+
+    @abstractmethod
+    def compile_or_warm_up_model(self) -> float:
+        """Warms up (captures graphs on CUDA); returns the seconds it took."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs the cache operations of the step, then the forward and sampling."""
+
+    def check_health(self) -> None:
+        """Raises if the worker cannot serve; returns None while it can."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Releases the model and the cache; safe to call more than once."""

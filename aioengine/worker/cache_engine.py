@@ -1,0 +1,87 @@
+"""CacheEngine, as in the seeds: allocates the paged KV cache once and moves blocks on request.
+
+Per layer one tensor ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K and V). Block
+allocation after start-up is the scheduler's bookkeeping; nothing here mallocs per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CacheEngine:
+    """Owns the device KV cache (and an optional host cache for swapping) of one worker."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_size: int,
+        block_size: int,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_cpu_blocks: int = 0,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.dtype = dtype
+        self.device = device
+        self.gpu_cache = self._allocate(num_blocks, device)
+        self.cpu_cache = self._allocate(num_cpu_blocks, torch.device("cpu")) if num_cpu_blocks else []
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
+    def _allocate(self, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+        shape = self.kv_cache_shape(num_blocks)
+        if device.type == "cpu":
+            # zeros, not empty: touching the pages makes the cache resident now, so memory is
+            # accounted for at start-up (and released for real when the cache is freed).
+            pin = self.device.type == "cuda" and torch.cuda.is_available()
+            return [torch.zeros(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)]
+        return [torch.empty(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+
+    @staticmethod
+    def get_cache_block_size(
+        num_layers: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes of one block across all layers: ``num_layers * 2 * block_size * kv_heads * head_size * dtype``."""
+        return num_layers * 2 * block_size * num_kv_heads * head_size * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.gpu_cache)
+
+    def swap_in(self, src_to_dst: dict[int, int]) -> None:
+        """Host blocks -> device blocks."""
+        _swap_blocks(self.cpu_cache, self.gpu_cache, src_to_dst)
+
+    def swap_out(self, src_to_dst: dict[int, int]) -> None:
+        """Device blocks -> host blocks."""
+        _swap_blocks(self.gpu_cache, self.cpu_cache, src_to_dst)
+
+    def copy(self, src_to_dsts: dict[int, list[int]]) -> None:
+        """Device block -> device blocks (copy-on-write)."""
+        if not src_to_dsts:
+            return
+        pairs = [(s, d) for s, dsts in src_to_dsts.items() for d in dsts]
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for layer in self.gpu_cache:
+            layer[:, dst] = layer[:, src]
+
+
+def _swap_blocks(src_cache: list[torch.Tensor], dst_cache: list[torch.Tensor], src_to_dst: dict[int, int]) -> None:
+    if not src_to_dst:
+        return
+    if not src_cache or not dst_cache:
+        raise RuntimeError("swap requested but the host cache has no blocks (cache.num_cpu_blocks is 0)")
+    src = torch.tensor(list(src_to_dst.keys()), device=src_cache[0].device)
+    dst = torch.tensor(list(src_to_dst.values()), device=dst_cache[0].device)
+    for s, d in zip(src_cache, dst_cache):
+        d[:, dst] = s[:, src].to(d.device, non_blocking=True)

@@ -1,0 +1,158 @@
+"""ModelRunner: turns a SchedulerOutput into tensors, runs the forward, samples.
+
+Input preparation is vectorised: one flat token list per step, positions and slot mappings
+computed with tensor ops, never per token in Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aioengine.messages import KVCacheConfig, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from aioengine.model.attention import AttentionMetadata, PrefillChunk
+from aioengine.model.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
+from aioengine.model.loader import load_hf_config, load_model, resolve_dtype, resolve_max_model_len
+from aioengine.sampling.sampler import Sampler, SamplingMetadata
+from aioengine.worker.cache_engine import CacheEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Device tensors of one step, plus which request each sampled row belongs to."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_reqs: list[ScheduledRequest]
+
+
+class ModelRunner:
+    """Holds the model and the KV cache of one worker and runs steps on them."""
+
+    def __init__(self, config: Any, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.model: LlamaForCausalLM | None = None
+        self.hf_config: Any = None
+        self.dtype: torch.dtype = torch.float32
+        self.max_model_len = 0
+        self.cache_engine: CacheEngine | None = None
+        self.block_size = config.cache.block_size
+        self.sampler = Sampler()
+
+    # ---- set-up ------------------------------------------------------------------------------------
+    def load_model(self) -> None:
+        path = self.config.model.path
+        self.hf_config = load_hf_config(path)
+        self.dtype = resolve_dtype(self.config.model.dtype, self.hf_config, self.device)
+        self.max_model_len = resolve_max_model_len(self.hf_config, self.config.model.max_model_len)
+        start = time.perf_counter()
+        self.model = load_model(path, self.hf_config, self.dtype, self.device, self.max_model_len,
+                                strict=self.config.load.strict)
+        logger.info("loaded %s (%s) in %.2fs", path, self.dtype, time.perf_counter() - start)
+
+    def model_info(self) -> dict[str, Any]:
+        """Facts the engine needs to size the cache and validate requests (plain, picklable)."""
+        cfg = self.hf_config
+        eos = getattr(cfg, "eos_token_id", None)
+        return {
+            "architecture": cfg.architectures[0],
+            "num_layers": cfg.num_hidden_layers,
+            "num_kv_heads": num_kv_heads_of(cfg),
+            "head_size": head_dim_of(cfg),
+            "vocab_size": cfg.vocab_size,
+            "max_model_len": self.max_model_len,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        }
+
+    def cache_dtype(self) -> torch.dtype:
+        name = self.config.cache.cache_dtype
+        return self.dtype if name == "auto" else getattr(torch, name)
+
+    def get_cache_block_size_bytes(self) -> int:
+        info = self.model_info()
+        return CacheEngine.get_cache_block_size(
+            info["num_layers"], self.block_size, info["num_kv_heads"], info["head_size"], self.cache_dtype()
+        )
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        info = self.model_info()
+        self.cache_engine = CacheEngine(
+            info["num_layers"], info["num_kv_heads"], info["head_size"], kv_cache_config.block_size,
+            kv_cache_config.num_blocks, self.cache_dtype(), self.device, kv_cache_config.num_cpu_blocks,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward at the largest step the scheduler can send, on a scratch cache just big enough."""
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        info = self.model_info()
+        blocks = -(-num_tokens // self.block_size)
+        scratch = CacheEngine(info["num_layers"], info["num_kv_heads"], info["head_size"], self.block_size,
+                              blocks, self.cache_dtype(), self.device)  # fmt: skip
+        req = ScheduledRequest("profile", [0] * num_tokens, 0, list(range(blocks)), sampling=None)
+        inputs = self.prepare_inputs(SchedulerOutput(-1, [req]))
+        assert self.model is not None
+        self.model(inputs.input_ids, inputs.positions, scratch.gpu_cache, inputs.meta,
+                   torch.tensor([num_tokens - 1], device=self.device))  # fmt: skip
+        del scratch
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        # Decodes (one query token) first, then prefill chunks: the attention's layout.
+        reqs = sorted(sched.requests, key=lambda r: len(r.token_ids) != 1)
+        bs = self.block_size
+        lens = torch.tensor([len(r.token_ids) for r in reqs])
+        starts = torch.tensor([r.start_pos for r in reqs])
+        max_blocks = max(len(r.block_ids) for r in reqs)
+        tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs])
+        cu = torch.cumsum(lens, 0)
+        total = int(cu[-1])
+        row = torch.repeat_interleave(torch.arange(len(reqs)), lens)
+        positions = starts[row] + torch.arange(total) - (cu - lens)[row]
+        slots = tables[row, positions // bs] * bs + positions % bs
+
+        num_decodes = sum(1 for r in reqs if len(r.token_ids) == 1)
+        dev = self.device
+        decode_tables = decode_mask = None
+        if num_decodes:
+            nb = max(len(r.block_ids) for r in reqs[:num_decodes])
+            decode_tables = tables[:num_decodes, :nb]
+            ctx = starts[:num_decodes] + 1
+            decode_mask = (torch.arange(nb * bs).unsqueeze(0) < ctx.unsqueeze(1)).view(num_decodes, 1, 1, nb * bs)
+            decode_tables, decode_mask = decode_tables.to(dev), decode_mask.to(dev)
+        prefills = [
+            PrefillChunk(int(cu[i] - lens[i]), int(lens[i]), int(starts[i]), tables[i, : len(reqs[i].block_ids)].to(dev))
+            for i in range(num_decodes, len(reqs))
+        ]
+        sample_rows = [i for i, r in enumerate(reqs) if r.sample]
+        meta = AttentionMetadata(slots.to(dev), num_decodes, decode_tables, decode_mask, prefills)
+        input_ids = torch.tensor([t for r in reqs for t in r.token_ids], device=dev)
+        return StepInputs(input_ids, positions.to(dev), meta, (cu[sample_rows] - 1).to(dev),
+                          [reqs[i] for i in sample_rows])  # fmt: skip
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.model is not None and self.cache_engine is not None
+        start = time.perf_counter()
+        if sched.is_empty:
+            return ModelRunnerOutput(sched.step_id, [], [])
+        inputs = self.prepare_inputs(sched)
+        logits = self.model(inputs.input_ids, inputs.positions, self.cache_engine.gpu_cache, inputs.meta,
+                            inputs.logits_indices)  # fmt: skip
+        tokens: list[int] = []
+        if inputs.sample_reqs:
+            meta = SamplingMetadata.build([r.sampling for r in inputs.sample_reqs],  # type: ignore[misc]
+                                          [r.output_index for r in inputs.sample_reqs], self.device)  # fmt: skip
+            tokens = self.sampler(logits, meta).tolist()
+        return ModelRunnerOutput(sched.step_id, [r.req_id for r in inputs.sample_reqs], tokens,
+                                 time.perf_counter() - start)  # fmt: skip

@@ -1,0 +1,63 @@
+"""WorkerWrapper: created by the executor with its rank only; builds the real worker later.
+
+The delay exists for Ray and multi-process back ends, where the device a rank owns is only
+known after the process or actor starts (seeds: WorkerWrapperBase.init_worker).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from aioengine.errors import AIOEngineError
+from aioengine.worker.base import WorkerBase
+
+
+def resolve_obj_by_qualname(qualname: str | type) -> type:
+    """``"package.module.Class"`` -> the class; a class is returned as it is."""
+    if isinstance(qualname, type):
+        return qualname
+    module_name, _, attr = qualname.rpartition(".")
+    if not module_name:
+        raise AIOEngineError(f"{qualname!r} is not a 'module.Qualname' string")
+    try:
+        module = importlib.import_module(module_name)
+        return getattr(module, attr)
+    except (ImportError, AttributeError) as exc:
+        raise AIOEngineError(f"cannot import {qualname!r}: {exc}") from exc
+
+
+def with_extension(worker_cls: type, extension_cls: type) -> type:
+    """A NEW subclass mixing ``extension_cls`` into ``worker_cls``; neither class is modified."""
+    clashes = sorted(
+        name for name in vars(extension_cls)
+        if not (name.startswith("__") and name.endswith("__")) and any(hasattr(c, name) for c in worker_cls.__mro__)
+    )  # fmt: skip
+    if clashes:
+        raise AIOEngineError(
+            f"worker extension {extension_cls.__qualname__} redefines worker attribute(s) {clashes}; rename them"
+        )
+    return type(f"{worker_cls.__name__}With{extension_cls.__name__}", (worker_cls, extension_cls), {})
+
+
+class WorkerWrapper:
+    """Holds one rank's worker; ``__getattr__`` forwards everything else to it."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self.worker: WorkerBase | None = None
+
+    def init_worker(self, config: Any, local_rank: int = 0, distributed_init_method: str | None = None) -> None:
+        worker_cls = resolve_obj_by_qualname(config.parallel.worker_cls)
+        extension = config.parallel.worker_extension_cls
+        if extension is not None:
+            worker_cls = with_extension(worker_cls, resolve_obj_by_qualname(extension))
+        self.worker = worker_cls(config, rank=self.rank, local_rank=local_rank,
+                                 distributed_init_method=distributed_init_method,
+                                 is_driver_worker=self.rank == 0)  # fmt: skip
+
+    def __getattr__(self, name: str) -> Any:
+        worker = self.__dict__.get("worker")
+        if worker is None:
+            raise AIOEngineError(f"worker rank {self.__dict__.get('rank')} has no worker yet (call init_worker first)")
+        return getattr(worker, name)
