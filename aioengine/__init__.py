@@ -3,7 +3,8 @@
 from aioengine.config import EngineConfig
 from aioengine.engine.async_engine import AsyncEngine
 from aioengine.engine.outputs import RequestOutput
+from aioengine.engine.sync import Engine
 from aioengine.sampling.params import SamplingParams
 
-__all__ = ["AsyncEngine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncEngine", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

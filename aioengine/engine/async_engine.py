@@ -77,8 +77,9 @@ class AsyncEngine:
         rpc = self.executor.collective_rpc
         cfg = self.config
         await rpc("init_device")
-        tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, cfg.model.tokenizer or cfg.model.path))
         await rpc("load_model")
+        # After load_model, not beside it: transformers' lazy imports race when two threads import at once.
+        tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, cfg.model.tokenizer or cfg.model.path))
         self.model_info = await rpc("get_model_info", unique_reply_rank=0)
         block_bytes = await rpc("get_cache_block_size_bytes", unique_reply_rank=0)
         available = min(await rpc("determine_available_memory"))

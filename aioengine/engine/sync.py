@@ -1,0 +1,105 @@
+"""A blocking facade for scripts: ``Engine(config).generate(prompts, params) -> list[RequestOutput]``.
+
+The AsyncEngine runs on its own event loop in a background thread; calls from the script's
+thread are handed over with ``run_coroutine_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from aioengine.config import EngineConfig
+from aioengine.engine.async_engine import AsyncEngine, Prompt
+from aioengine.engine.outputs import RequestOutput
+from aioengine.sampling.params import SamplingParams
+
+T = TypeVar("T")
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed (faster), else the default loop."""
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
+
+
+class Engine:
+    """Synchronous engine: start on construction, ``close()`` (or ``with``) to stop."""
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="aioengine-loop", daemon=True)
+        self._thread.start()
+        self.engine = AsyncEngine(config, **overrides)
+        try:
+            self._run(self.engine.start())
+        except BaseException:
+            self.close()
+            raise
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt concurrently; returns the final outputs in prompt order.
+
+        ``prompts`` is one prompt (a string or a list of token ids) or a list of them; ``params``
+        one SamplingParams for all or one per prompt.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        return self._run(self._generate_all(prompts, list(params), use_tqdm))
+
+    async def _generate_all(self, prompts: list[Prompt], params: list[SamplingParams],
+                            use_tqdm: bool) -> list[RequestOutput]:  # fmt: skip
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
+
+        async def one(prompt: Prompt, p: SamplingParams) -> RequestOutput:
+            last = None
+            async for out in self.engine.generate(prompt, p):
+                last = out
+            bar.update(1)
+            assert last is not None
+            return last
+
+        try:
+            return list(await asyncio.gather(*(one(pr, pa) for pr, pa in zip(prompts, params))))
+        finally:
+            bar.close()
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        """Shuts the engine down and stops its loop thread; safe to call more than once."""
+        if self._loop.is_closed():
+            return
+        if self._thread.is_alive():
+            self._run(self.engine.shutdown())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+        self._loop.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

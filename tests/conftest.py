@@ -1,0 +1,60 @@
+"""Shared fixtures: small random-init checkpoints built once per test session, and engine factories."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from aioengine import AsyncEngine, EngineConfig
+from aioengine.testing import build_checkpoint
+
+# Two cores on CI: more torch threads than cores only adds contention.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def qwen2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2", "qwen2")
+
+
+def engine_config(path: Path, **sections: Any) -> EngineConfig:
+    """A CPU float32 config for ``path``; ``sections`` override (e.g. cache={"num_blocks": 64})."""
+    base: dict[str, Any] = {
+        "model": {"path": str(path), "dtype": "float32"},
+        "device": {"device": "cpu"},
+        "cache": {"block_size": 16, "num_blocks": 512},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return EngineConfig(**base)
+
+
+@pytest.fixture
+def make_engine() -> Callable[..., Any]:
+    """``async with make_engine(path, cache={...}) as engine`` -> a started AsyncEngine."""
+    return lambda path, **sections: AsyncEngine(engine_config(path, **sections))
+
+
+@pytest.fixture
+async def llama_engine(llama_ckpt: Path) -> AsyncIterator[AsyncEngine]:
+    async with AsyncEngine(engine_config(llama_ckpt)) as engine:
+        yield engine
