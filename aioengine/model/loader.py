@@ -102,7 +102,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
     Every parameter must be covered; with ``strict`` an unknown checkpoint name is an error too.
     """
     params = dict(model.named_parameters())
-    filled = dict.fromkeys(params, 0)
+    filled: dict[str, set[tuple[int, int]]] = {name: set() for name in params}  # (offset, rows) pieces written
     written = 0
     for name, tensor in weights:
         try:
@@ -123,12 +123,21 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(dst.shape)}"
             )
         dst.copy_(tensor)
-        filled[target.param] += dst.numel()
+        filled[target.param].add((target.offset, dst.shape[0] if dst.dim() else 1))
         written += 1
-    missing = [n for n, count in filled.items() if count < params[n].numel()]
+    # A set of pieces, not a running count: a tensor repeated in two shards cannot hide a missing one.
+    missing = [n for n, pieces in filled.items() if sum(rows for _, rows in pieces) < max(params[n].shape[0:1] or (1,))]
     if missing:
-        raise CheckpointError(f"checkpoint is missing tensors for: {', '.join(missing[:8])}")
+        raise CheckpointError(f"checkpoint is missing tensors for: {', '.join(_hf_names(n) for n in missing[:8])}")
     return written
+
+
+def _hf_names(param: str) -> str:
+    """Our parameter name, with the checkpoint names it is fused from."""
+    for fused, parts in (("qkv_proj", "q_proj/k_proj/v_proj"), ("gate_up_proj", "gate_proj/up_proj")):
+        if f".{fused}." in param:
+            return f"{param} (from {param.replace(fused, '{' + parts + '}')})"
+    return param
 
 
 def load_model(path: str | Path, hf_config: Any, dtype: torch.dtype, device: torch.device, max_positions: int,
