@@ -34,11 +34,13 @@ from pydantic_settings import (
 __all__ = [
     "CONFIG_ENV_VAR",
     "CacheConfig",
+    "CompileConfig",
     "DeviceConfig",
     "EngineConfig",
     "LoadConfig",
     "ModelConfig",
     "ParallelConfig",
+    "ProfilerConfig",
     "SchedulerConfig",
 ]
 
@@ -150,7 +152,8 @@ class ParallelConfig(_Section):
         "thread", description="Where workers run: a thread, subprocesses ('mp') or Ray actors."
     )
     worker_cls: str = Field(
-        "aioengine.worker.worker.Worker", description="Worker class as 'module.Qualname'."
+        "auto",
+        description="Worker class as 'module.Qualname'; 'auto' picks the CPU or CUDA worker for the device.",
     )
     worker_extension_cls: str | type | None = Field(
         None,
@@ -163,7 +166,7 @@ class ParallelConfig(_Section):
     @field_validator("worker_cls")
     @classmethod
     def _worker_cls_is_dotted(cls, value: str) -> str:
-        return _check_dotted_name(value)
+        return value if value == "auto" else _check_dotted_name(value)
 
     @field_validator("worker_extension_cls")
     @classmethod
@@ -204,6 +207,38 @@ class LoadConfig(_Section):
     )
 
 
+class CompileConfig(_Section):
+    """Decode-step capture: CUDA graphs on CUDA, the same padded-bucket path run eagerly on CPU."""
+
+    enforce_eager: bool = Field(
+        False, description="Run every step eagerly: no CUDA graphs, no padding of decode batches to buckets."
+    )
+    cuda_graph_sizes: list[int] | None = Field(
+        None,
+        description=(
+            "Decode batch sizes to capture (batches are padded up to the next one). "
+            "None: 1, 2, 4, 8, then multiples of 8 up to scheduler.max_num_seqs."
+        ),
+    )
+
+    @field_validator("cuda_graph_sizes")
+    @classmethod
+    def _sizes_are_positive(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(size < 1 for size in value)):
+            raise ValueError(f"cuda_graph_sizes must be a non-empty list of sizes >= 1, got {value}")
+        return sorted(set(value)) if value is not None else None
+
+
+class ProfilerConfig(_Section):
+    """torch profiler traces, started and stopped with engine.start_profile() / stop_profile()."""
+
+    dir: str | None = Field(
+        None, description="Directory for torch profiler traces. None: profiling is off (profile() raises)."
+    )
+    record_shapes: bool = Field(False, description="Record tensor shapes in the trace.")
+    with_stack: bool = Field(False, description="Record Python stacks in the trace (slower).")
+
+
 def _merge_section_objects(init_settings: PydanticBaseSettingsSource) -> PydanticBaseSettingsSource:
     """Let a section object in the kwargs override only the fields it was given.
 
@@ -236,6 +271,8 @@ class EngineConfig(BaseSettings):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Workers and executor.")
     device: DeviceConfig = Field(default_factory=DeviceConfig, description="Device and CPU threads.")
     load: LoadConfig = Field(default_factory=LoadConfig, description="Weight loading.")
+    compile: CompileConfig = Field(default_factory=CompileConfig, description="CUDA graphs / padded buckets.")
+    profiler: ProfilerConfig = Field(default_factory=ProfilerConfig, description="torch profiler traces.")
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> EngineConfig:

@@ -44,7 +44,7 @@ def test_defaults_need_no_arguments_and_no_environment() -> None:
     assert config.cache.memory_utilization == 0.9
     assert config.scheduler.max_num_seqs == 64
     assert config.scheduler.max_num_batched_tokens == 512
-    assert config.parallel.worker_cls == "aioengine.worker.worker.Worker"
+    assert config.parallel.worker_cls == "auto"
     assert config.device.device == "auto"
     assert config.load.load_format == "safetensors"
     assert config.load.strict is True
