@@ -140,6 +140,20 @@ class ModelRunner:
         return StepInputs(input_ids, positions.to(dev), meta, (cu[sample_rows] - 1).to(dev),
                           [reqs[i] for i in sample_rows])  # fmt: skip
 
+    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> None:
+        """Rows still short of ``min_tokens`` cannot pick EOS or a stop id (as in vLLM)."""
+        for row, req in enumerate(reqs):
+            params = req.sampling
+            if params is None or req.output_index >= params.min_tokens:
+                continue
+            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else self._eos_ids)
+            if banned:
+                logits[row, banned] = float("-inf")
+
+    @property
+    def _eos_ids(self) -> list[int]:
+        return [t for t in self.model_info()["eos_token_ids"] if t < self.hf_config.vocab_size]
+
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model is not None and self.cache_engine is not None
@@ -151,6 +165,7 @@ class ModelRunner:
                             inputs.logits_indices)  # fmt: skip
         tokens: list[int] = []
         if inputs.sample_reqs:
+            self._suppress_stops_before_min_tokens(logits, inputs.sample_reqs)
             meta = SamplingMetadata.build([r.sampling for r in inputs.sample_reqs],  # type: ignore[misc]
                                           [r.output_index for r in inputs.sample_reqs], self.device)  # fmt: skip
             tokens = self.sampler(logits, meta).tolist()
