@@ -84,7 +84,7 @@ class AsyncEngine:
         block_bytes = await rpc("get_cache_block_size_bytes", unique_reply_rank=0)
         available = min(await rpc("determine_available_memory"))
         self.num_blocks = cfg.cache.num_blocks or available // block_bytes
-        if self.num_blocks < 1:
+        if self.num_blocks < 2:  # block 0 is the null block, so one block serves nobody
             raise InvalidRequestError(
                 f"no memory left for the KV cache ({available} bytes free, one block needs {block_bytes}); "
                 "raise cache.kv_cache_memory_bytes / cache.memory_utilization or use a smaller model"
@@ -145,7 +145,7 @@ class AsyncEngine:
                 f"request {request_id!r}: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{total} exceeds max_model_len={max_len}; shorten the prompt or lower max_tokens"
             )
-        capacity = self.num_blocks * self.config.cache.block_size
+        capacity = (self.num_blocks - 1) * self.config.cache.block_size  # minus the null block
         if total > capacity:
             raise RequestTooLargeError(
                 f"request {request_id!r}: needs {total} tokens of KV cache but the whole cache holds {capacity}; "
@@ -196,6 +196,19 @@ class AsyncEngine:
         self._require_core()
         assert self.executor is not None
         return await self.executor.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
+
+    async def check_health(self, timeout: float = 30.0) -> None:
+        """Raises EngineDeadError if the engine died, or the worker's error if a worker is unhealthy."""
+        self._require_core()
+        await self.collective_rpc("check_health", timeout=timeout)
+
+    async def start_profile(self) -> None:
+        """Starts the torch profiler on every worker (needs ``profiler.dir``)."""
+        await self.collective_rpc("profile", (True,))
+
+    async def stop_profile(self) -> list[str | None]:
+        """Stops the profiler; traces are written under ``profiler.dir``. Returns that dir per rank."""
+        return await self.collective_rpc("profile", (False,))
 
     def stats(self) -> dict[str, Any]:
         """Snapshot of the engine's state, cheap enough to poll."""

@@ -13,6 +13,12 @@ from typing import Any
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 
 
+def execute_and_sample(worker: Any, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    """``execute_model`` then, when it leaves rows to sample, ``sample_tokens`` (module level: picklable)."""
+    output = worker.execute_model(scheduler_output)
+    return output if output is not None else worker.sample_tokens()
+
+
 class Executor(ABC):
     """Runs methods on every worker and gathers their results."""
 
@@ -34,8 +40,8 @@ class Executor(ABC):
         """
 
     async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step; the driver worker's (rank 0) output is the step's result."""
-        return await self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=0)
+        """One step (forward, then sampling) in one trip to each worker; rank 0's output is the result."""
+        return await self.collective_rpc(execute_and_sample, (scheduler_output,), unique_reply_rank=0)
 
     @abstractmethod
     def shutdown(self) -> None:

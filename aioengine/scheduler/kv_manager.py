@@ -7,13 +7,28 @@ from collections import deque
 from aioengine.scheduler.request import Request
 
 
-class KVBlockManager:
-    """A free list of fixed-size blocks; a request owns the blocks listed in ``request.block_ids``."""
+NULL_BLOCK_ID = 0
+"""Never handed to a request: padded rows of a decode batch (CUDA-graph buckets) write their KV here."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks = num_blocks
+
+class KVBlockManager:
+    """A free list of fixed-size blocks; a request owns the blocks listed in ``request.block_ids``.
+
+    The cache holds ``num_cache_blocks`` blocks; block 0 is the null block, so ``num_blocks``
+    (what requests can use) is one less.
+    """
+
+    def __init__(self, num_cache_blocks: int, block_size: int) -> None:
+        if num_cache_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {num_cache_blocks}")
+        self.num_cache_blocks = num_cache_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(1, num_cache_blocks))
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks that requests can use."""
+        return self.num_cache_blocks - 1
 
     @property
     def num_free_blocks(self) -> int:
@@ -37,8 +52,6 @@ class KVBlockManager:
         self._free.extend(reversed(request.block_ids))
         request.block_ids = []
 
-    def reset(self, num_blocks: int | None = None) -> None:
+    def reset(self) -> None:
         """Forgets every allocation (used when the cache is rebuilt)."""
-        if num_blocks is not None:
-            self.num_blocks = num_blocks
-        self._free = deque(range(self.num_blocks))
+        self._free = deque(range(1, self.num_cache_blocks))

@@ -53,8 +53,19 @@ class WorkerBase(ABC):
         """Warms up (captures graphs on CUDA); returns the seconds it took."""
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs the cache operations of the step, then the forward and sampling."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Runs the cache operations of the step, then the forward.
+
+        Returns None when tokens are left to sample; the executor then calls ``sample_tokens``.
+        """
+
+    @abstractmethod
+    def sample_tokens(self) -> ModelRunnerOutput:
+        """Samples the logits the last ``execute_model`` left (seeds: split so extensions can act between)."""
+
+    @abstractmethod
+    def profile(self, is_start: bool = True) -> str | None:
+        """Starts / stops the torch profiler (``profiler.dir``); RuntimeError naming the option when unset."""
 
     def check_health(self) -> None:
         """Raises if the worker cannot serve; returns None while it can."""

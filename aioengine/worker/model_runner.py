@@ -19,6 +19,7 @@ from aioengine.model.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
 from aioengine.model.loader import load_hf_config, load_model, resolve_dtype, resolve_max_model_len
 from aioengine.sampling.sampler import Sampler, SamplingMetadata
 from aioengine.worker.cache_engine import CacheEngine
+from aioengine.worker.graphs import PaddedDecodeRunner, default_capture_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class ModelRunner:
         self.cache_engine: CacheEngine | None = None
         self.block_size = config.cache.block_size
         self.sampler = Sampler()
+        self.decode_runner: PaddedDecodeRunner | None = None
+        self._pending: tuple[int, torch.Tensor, list[ScheduledRequest], float] | None = None
 
     # ---- set-up ------------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -90,6 +93,18 @@ class ModelRunner:
             info["num_layers"], info["num_kv_heads"], info["head_size"], kv_cache_config.block_size,
             kv_cache_config.num_blocks, self.cache_dtype(), self.device, kv_cache_config.num_cpu_blocks,
         )  # fmt: skip
+        compile_cfg = self.config.compile
+        if not compile_cfg.enforce_eager:
+            assert self.model is not None
+            sizes = compile_cfg.cuda_graph_sizes or default_capture_sizes(self.config.scheduler.max_num_seqs)
+            self.decode_runner = PaddedDecodeRunner(
+                self.model, self.cache_engine.gpu_cache, sizes, self.block_size,
+                -(-self.max_model_len // self.block_size), self.device, use_graphs=self.device.type == "cuda",
+            )  # fmt: skip
+
+    def capture_model(self) -> float:
+        """Captures the decode CUDA graphs (no-op on CPU or with enforce_eager); returns seconds."""
+        return self.decode_runner.capture() if self.decode_runner is not None else 0.0
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -155,19 +170,58 @@ class ModelRunner:
         return [t for t in self.model_info()["eos_token_ids"] if t < self.hf_config.vocab_size]
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Runs the forward. Returns None when rows are left to sample: ``sample_tokens`` does that,
+        so a worker extension can act between the forward and sampling (as in the seeds)."""
         assert self.model is not None and self.cache_engine is not None
         start = time.perf_counter()
         if sched.is_empty:
             return ModelRunnerOutput(sched.step_id, [], [])
-        inputs = self.prepare_inputs(sched)
-        logits = self.model(inputs.input_ids, inputs.positions, self.cache_engine.gpu_cache, inputs.meta,
-                            inputs.logits_indices)  # fmt: skip
-        tokens: list[int] = []
-        if inputs.sample_reqs:
-            self._suppress_stops_before_min_tokens(logits, inputs.sample_reqs)
-            meta = SamplingMetadata.build([r.sampling for r in inputs.sample_reqs],  # type: ignore[misc]
-                                          [r.output_index for r in inputs.sample_reqs], self.device)  # fmt: skip
-            tokens = self.sampler(logits, meta).tolist()
-        return ModelRunnerOutput(sched.step_id, [r.req_id for r in inputs.sample_reqs], tokens,
-                                 time.perf_counter() - start)  # fmt: skip
+        reqs = sched.requests
+        if self._fits_decode_runner(reqs):
+            logits, sample_reqs = self._run_padded_decode(reqs)
+        else:
+            inputs = self.prepare_inputs(sched)
+            logits = self.model(inputs.input_ids, inputs.positions, self.cache_engine.gpu_cache, inputs.meta,
+                                inputs.logits_indices)  # fmt: skip
+            sample_reqs = inputs.sample_reqs
+        if not sample_reqs:
+            return ModelRunnerOutput(sched.step_id, [], [], time.perf_counter() - start)
+        self._pending = (sched.step_id, logits, sample_reqs, start)
+        return None
+
+    @property
+    def pending_logits(self) -> torch.Tensor | None:
+        """Logits [rows, vocab] that the next ``sample_tokens`` samples (inference tensors: modify them
+        inside ``torch.inference_mode()``); None when nothing is pending."""
+        return self._pending[1] if self._pending is not None else None
+
+    @torch.inference_mode()
+    def sample_tokens(self) -> ModelRunnerOutput:
+        """Samples the rows the last ``execute_model`` left; one token per sampling request."""
+        if self._pending is None:
+            raise RuntimeError("sample_tokens() called without a preceding execute_model() that left rows to sample")
+        step_id, logits, reqs, start = self._pending
+        self._pending = None
+        self._suppress_stops_before_min_tokens(logits, reqs)
+        meta = SamplingMetadata.build([r.sampling for r in reqs],  # type: ignore[misc]
+                                      [r.output_index for r in reqs], self.device)  # fmt: skip
+        tokens = self.sampler(logits, meta).tolist()
+        return ModelRunnerOutput(step_id, [r.req_id for r in reqs], tokens, time.perf_counter() - start)
+
+    def _fits_decode_runner(self, reqs: list[ScheduledRequest]) -> bool:
+        runner = self.decode_runner
+        return runner is not None and len(reqs) <= runner.max_batch_size and all(len(r.token_ids) == 1 for r in reqs)
+
+    def _run_padded_decode(self, reqs: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        assert self.decode_runner is not None
+        width = max(len(r.block_ids) for r in reqs)
+        dev = self.device
+        tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs], device=dev)
+        ids = torch.tensor([r.token_ids[0] for r in reqs], device=dev)
+        positions = torch.tensor([r.start_pos for r in reqs], device=dev)
+        logits = self.decode_runner.run(ids, positions, tables)
+        rows = [i for i, r in enumerate(reqs) if r.sample]
+        if len(rows) < len(reqs):  # a one-token prefill chunk that does not end its prompt
+            logits = logits[rows]
+        return logits, [reqs[i] for i in rows]

@@ -1,10 +1,13 @@
-"""Worker: one device, its model (via ModelRunner) and its KV cache (via CacheEngine)."""
+"""Worker: one device, its model (via ModelRunner) and its KV cache (via CacheEngine).
+
+This class holds what every device shares; CPUWorker and CUDAWorker (cpu_worker.py,
+gpu_worker.py) implement the device parts. ``parallel.worker_cls = "auto"`` picks one.
+"""
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from typing import Any
 
@@ -17,13 +20,9 @@ from aioengine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-# Default KV budget on CPU when cache.kv_cache_memory_bytes is unset: a share of free host memory,
-# capped so an engine in a larger application does not grab the whole machine.
-CPU_KV_SHARE = 0.25
-CPU_KV_CAP = 4 << 30
-
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto`` -> this rank's CUDA device if there is one, else the CPU."""
     if name == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -31,39 +30,27 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device(name)
 
 
-def host_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what the OS can give without swapping)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 class Worker(WorkerBase):
-    """The worker for CPU and CUDA devices; device-specific parts branch on ``self.device.type``."""
+    """Device-independent part of a worker; subclasses provide ``_bind_device`` and memory sizing."""
 
     def __init__(self, config: Any, rank: int = 0, local_rank: int = 0,
                  distributed_init_method: str | None = None, is_driver_worker: bool = True) -> None:  # fmt: skip
         super().__init__(config, rank, local_rank, distributed_init_method, is_driver_worker)
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
-        self.init_device_memory = 0
+        self.profiler: torch.profiler.profile | None = None
         self._shut_down = False
 
+    # ---- lifecycle (seeds order) ---------------------------------------------------------------------
     def init_device(self) -> None:
         self.device = resolve_device(self.config.device.device, self.local_rank)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            torch.cuda.empty_cache()
-            self.init_device_memory = torch.cuda.mem_get_info()[0]
-        elif self.config.device.num_threads:
-            torch.set_num_threads(self.config.device.num_threads)
+        self._bind_device()
         torch.manual_seed(self.config.model.seed)
         self.model_runner = ModelRunner(self.config, self.device)
+
+    def _bind_device(self) -> None:
+        """Device-specific set-up after ``self.device`` is known."""
+        raise NotImplementedError
 
     def _runner(self) -> ModelRunner:
         if self.model_runner is None:
@@ -79,60 +66,83 @@ class Worker(WorkerBase):
     def get_cache_block_size_bytes(self) -> int:
         return self._runner().get_cache_block_size_bytes()
 
-    def determine_available_memory(self) -> int:
-        runner = self._runner()
-        assert self.device is not None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            runner.profile_run()
-            torch.cuda.synchronize(self.device)
-            free, total = torch.cuda.mem_get_info(self.device)
-            peak = self.init_device_memory - free + torch.cuda.max_memory_allocated(self.device) \
-                - torch.cuda.memory_allocated(self.device)  # fmt: skip
-            return max(int(total * self.config.cache.memory_utilization - peak), 0)
-        runner.profile_run()  # exercises the largest step on CPU too, so a too-large budget fails here
-        available = host_available_bytes()
-        requested = self.config.cache.kv_cache_memory_bytes
-        if requested is None:
-            return int(min(available * CPU_KV_SHARE, CPU_KV_CAP))
-        if requested > available:
-            raise AIOEngineError(
-                f"cache.kv_cache_memory_bytes={requested} but only {available} bytes of host memory are free; "
-                "lower it (or cache.num_blocks)"
-            )
-        return requested
-
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self._runner().initialize_kv_cache(kv_cache_config)
 
     def compile_or_warm_up_model(self) -> float:
+        """Warm-up forward, then decode graph capture (CUDA); returns seconds, which are logged."""
         start = time.perf_counter()
-        self._runner().profile_run()
+        runner = self._runner()
+        runner.profile_run()
+        capture = runner.capture_model()
         seconds = time.perf_counter() - start
-        logger.info("warm-up took %.2fs", seconds)
+        logger.info("warm-up took %.2fs (graph capture %.2fs)", seconds, capture)
         return seconds
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    # ---- steps -------------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         runner = self._runner()
         cache = runner.cache_engine
-        assert cache is not None, "execute_model before initialize_from_config"
+        if cache is None:
+            raise AIOEngineError("execute_model before initialize_from_config (the KV cache is not allocated)")
         cache.swap_in(scheduler_output.blocks_to_swap_in)
         cache.swap_out(scheduler_output.blocks_to_swap_out)
         cache.copy(scheduler_output.blocks_to_copy)
         return runner.execute_model(scheduler_output)
 
+    def sample_tokens(self) -> ModelRunnerOutput:
+        return self._runner().sample_tokens()
+
+    # ---- profiling, health, shutdown ---------------------------------------------------------------
+    def profile(self, is_start: bool = True) -> str | None:
+        """Starts or stops the torch profiler; the trace goes to ``profiler.dir``. Returns that dir on stop."""
+        cfg = self.config.profiler
+        if cfg.dir is None:
+            raise RuntimeError(
+                "profiling is off: set profiler.dir (e.g. AIOENGINE_PROFILER__DIR=/tmp/traces) to a directory for traces"
+            )
+        if is_start:
+            if self.profiler is not None:
+                raise RuntimeError("the profiler is already running; stop it first")
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device is not None and self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(
+                activities=activities, record_shapes=cfg.record_shapes, with_stack=cfg.with_stack,
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(cfg.dir, worker_name=f"rank{self.rank}"),
+            )  # fmt: skip
+            self.profiler.start()
+            return None
+        if self.profiler is None:
+            raise RuntimeError("the profiler is not running; start it first")
+        profiler, self.profiler = self.profiler, None
+        profiler.stop()
+        return str(cfg.dir)
+
     def check_health(self) -> None:
         if self._shut_down:
-            raise AIOEngineError("worker is shut down")
+            raise AIOEngineError(f"worker rank {self.rank} is shut down")
+        runner = self.model_runner
+        if runner is None or runner.model is None or runner.cache_engine is None:
+            raise AIOEngineError(f"worker rank {self.rank} is not initialised (model or KV cache missing)")
 
     def shutdown(self) -> None:
+        """Seeds order: profiler, then model runner (graphs, cache, model), then device caches. Idempotent."""
         if self._shut_down:
             return
         self._shut_down = True
-        if self.model_runner is not None:
-            self.model_runner.cache_engine = None
-            self.model_runner.model = None
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
+        runner = self.model_runner
+        if runner is not None:
+            if runner.decode_runner is not None:
+                runner.decode_runner.release()
+                runner.decode_runner = None
+            runner.cache_engine = None
+            runner.model = None
         gc.collect()
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self._release_device_memory()
+
+    def _release_device_memory(self) -> None:
+        """Hands cached device memory back after shutdown; nothing to do on CPU."""

@@ -40,6 +40,17 @@ def with_extension(worker_cls: type, extension_cls: type) -> type:
     return type(f"{worker_cls.__name__}With{extension_cls.__name__}", (worker_cls, extension_cls), {})
 
 
+def _auto_worker_cls(config: Any, local_rank: int) -> str | type:
+    name = config.parallel.worker_cls
+    if name != "auto":
+        return name
+    from aioengine.worker.worker import resolve_device
+
+    if resolve_device(config.device.device, local_rank).type == "cuda":
+        return "aioengine.worker.gpu_worker.CUDAWorker"
+    return "aioengine.worker.cpu_worker.CPUWorker"
+
+
 class WorkerWrapper:
     """Holds one rank's worker; ``__getattr__`` forwards everything else to it."""
 
@@ -48,7 +59,7 @@ class WorkerWrapper:
         self.worker: WorkerBase | None = None
 
     def init_worker(self, config: Any, local_rank: int = 0, distributed_init_method: str | None = None) -> None:
-        worker_cls = resolve_obj_by_qualname(config.parallel.worker_cls)
+        worker_cls = resolve_obj_by_qualname(_auto_worker_cls(config, local_rank))
         extension = config.parallel.worker_extension_cls
         if extension is not None:
             worker_cls = with_extension(worker_cls, resolve_obj_by_qualname(extension))

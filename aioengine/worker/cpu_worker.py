@@ -1,0 +1,49 @@
+"""CPUWorker: the KV cache lives in host memory, sized by config rather than by a device counter."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from aioengine.errors import AIOEngineError
+from aioengine.worker.worker import Worker
+
+# Default KV budget when cache.kv_cache_memory_bytes is unset: a share of free host memory,
+# capped so an engine inside a larger application does not take the whole machine.
+CPU_KV_SHARE = 0.25
+CPU_KV_CAP = 4 << 30
+
+
+def host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what the OS can give without swapping)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class CPUWorker(Worker):
+    """Runs the model on the host CPU."""
+
+    def _bind_device(self) -> None:
+        if self.config.device.num_threads:
+            torch.set_num_threads(self.config.device.num_threads)
+
+    def determine_available_memory(self) -> int:
+        # The profiling forward runs on CPU too: a step the configured budget cannot take fails here.
+        self._runner().profile_run()
+        available = host_available_bytes()
+        requested = self.config.cache.kv_cache_memory_bytes
+        if requested is None:
+            return int(min(available * CPU_KV_SHARE, CPU_KV_CAP))
+        if requested > available:
+            raise AIOEngineError(
+                f"cache.kv_cache_memory_bytes={requested} but only {available} bytes of host memory are free; "
+                "lower it (or set cache.num_blocks)"
+            )
+        return requested

@@ -1,0 +1,133 @@
+"""Decode steps padded to fixed batch-size buckets, replayed from CUDA graphs on CUDA.
+
+Static input buffers sized for the largest bucket are filled in place each step; a batch of B
+decode tokens runs as the next captured size Bp >= B, and rows B..Bp are padding that reads and
+writes only the null block (block 0, never given to a request). On CUDA each bucket is a captured
+graph sharing one memory pool; on CPU the same buffers, buckets and padding run eagerly, so CPU
+tests cover all of the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from aioengine.model.attention import AttentionMetadata
+from aioengine.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+NULL_BLOCK_ID = 0  # mirrors aioengine.scheduler.kv_manager.NULL_BLOCK_ID (the worker does not import the scheduler)
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8 up to ``max_num_seqs`` (which is always included)."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8)) + [max_num_seqs]
+    return sorted(set(sizes))
+
+
+class PaddedDecodeRunner:
+    """Runs decode-only steps at bucket sizes from static buffers (graph replay on CUDA)."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], sizes: list[int], block_size: int,
+                 max_blocks_per_seq: int, device: torch.device, use_graphs: bool) -> None:  # fmt: skip
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = sorted(sizes)
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_seq
+        self.device = device
+        self.use_graphs = use_graphs
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        self.block_tables = torch.full((n, max_blocks_per_seq), NULL_BLOCK_ID, dtype=torch.long, device=device)
+        self.mask = torch.zeros(n, 1, 1, max_blocks_per_seq * block_size, dtype=torch.bool, device=device)
+        self.logits_indices = torch.arange(n, device=device)
+        self._key_pos = torch.arange(max_blocks_per_seq * block_size, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_outputs: dict[int, torch.Tensor] = {}
+        self.pool: object | None = None
+        self.capture_seconds = 0.0
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.sizes[-1]
+
+    def bucket(self, batch_size: int) -> int | None:
+        """The smallest captured size that holds ``batch_size``; None when it is larger than all."""
+        i = bisect.bisect_left(self.sizes, batch_size)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def _meta(self, size: int, width: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            num_decodes=size,
+            decode_block_tables=self.block_tables[:size, :width],
+            decode_mask=self.mask[:size, :, :, : width * self.block_size],
+            prefills=[],
+        )
+
+    def _forward(self, size: int, width: int) -> torch.Tensor:
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(size, width),
+                          self.logits_indices[:size])  # fmt: skip
+
+    def _fill(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, size: int) -> None:
+        """Copies a batch into the static buffers; rows past the batch become null-block padding."""
+        b, width = block_tables.shape
+        self.input_ids[:b].copy_(input_ids)
+        self.input_ids[b:size].zero_()
+        self.positions[:b].copy_(positions)
+        self.positions[b:size].zero_()
+        self.block_tables[:size].fill_(NULL_BLOCK_ID)
+        self.block_tables[:b, :width].copy_(block_tables)
+        rows = torch.arange(b, device=self.device)
+        bs = self.block_size
+        self.slot_mapping[:b].copy_(self.block_tables[rows, self.positions[:b] // bs] * bs + self.positions[:b] % bs)
+        self.slot_mapping[b:size].fill_(NULL_BLOCK_ID * bs)
+        # Padded rows attend to position 0 of the null block only: finite, and ignored.
+        torch.lt(self._key_pos.unsqueeze(0), self.positions[:size].unsqueeze(1) + 1, out=self.mask[:size, 0, 0])
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of a decode batch of B <= max_batch_size tokens."""
+        b = input_ids.shape[0]
+        size = self.bucket(b)
+        assert size is not None, f"decode batch {b} exceeds the largest bucket {self.max_batch_size}"
+        self._fill(input_ids, positions, block_tables, size)
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.graph_outputs[size][:b]
+        # Eager (CPU, or enforce_eager): only as wide as this batch's longest block table.
+        return self._forward(size, block_tables.shape[1])[:b]
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Captures one CUDA graph per size (largest first, one shared pool); returns seconds taken."""
+        if not self.use_graphs:
+            return 0.0
+        start = time.perf_counter()
+        self.pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._fill(self.input_ids[:0], self.positions[:0], self.block_tables[:0, :1], size)
+            for _ in range(2):  # warm-up outside the graph: lazy inits and allocator state
+                self._forward(size, self.max_blocks)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.graph_outputs[size] = self._forward(size, self.max_blocks)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("captured %d CUDA graphs (sizes %s) in %.2fs", len(self.graphs), self.sizes, self.capture_seconds)
+        return self.capture_seconds
+
+    def release(self) -> None:
+        """Drops the graphs (sleep without virtual-address preservation must recapture after wake)."""
+        self.graphs.clear()
+        self.graph_outputs.clear()
+        self.pool = None
