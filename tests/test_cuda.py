@@ -1,0 +1,78 @@
+"""CUDA-only checks (marked `cuda`, skipped without a device): graphs, memory sizing, parity on GPU."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from aioengine import AsyncEngine, SamplingParams
+from tests.conftest import engine_config
+
+pytestmark = pytest.mark.cuda
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _cuda_config(path: Path, **sections: object):
+    return engine_config(path, device={"device": "cuda"}, **sections)  # type: ignore[arg-type]
+
+
+async def _run(engine: AsyncEngine, prompts: list[list[int]]) -> list[list[int]]:
+    async def one(p: list[int]) -> list[int]:
+        last = None
+        async for out in engine.generate(p, GREEDY):
+            last = out
+        assert last is not None
+        return last.token_ids
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def _prompts(n: int = 12) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 1000, (int(k),), generator=g).tolist() for k in torch.randint(1, 150, (n,), generator=g)]
+
+
+async def test_cuda_graphs_are_captured_and_match_hf(llama_ckpt: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompts = _prompts()
+    hf = AutoModelForCausalLM.from_pretrained(llama_ckpt, dtype=torch.float32).cuda().eval()
+    refs = [
+        hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                    eos_token_id=None)[0, len(p):].tolist()
+        for p in prompts
+    ]  # fmt: skip
+    async with AsyncEngine(_cuda_config(llama_ckpt)) as engine:
+        runner = engine.executor.wrappers[0].worker.model_runner  # type: ignore[union-attr]
+        assert runner.decode_runner is not None and runner.decode_runner.graphs
+        assert await _run(engine, prompts) == refs
+
+
+async def test_graph_replay_matches_eager_on_cuda(llama_ckpt: Path) -> None:
+    prompts = _prompts()
+    async with AsyncEngine(_cuda_config(llama_ckpt, compile={"enforce_eager": True})) as eager:
+        expected = await _run(eager, prompts)
+    async with AsyncEngine(_cuda_config(llama_ckpt)) as graphs:
+        assert await _run(graphs, prompts) == expected
+
+
+async def test_kv_cache_is_sized_from_device_memory(llama_ckpt: Path) -> None:
+    config = engine_config(llama_ckpt, device={"device": "cuda"}, cache={"num_blocks": None, "memory_utilization": 0.3})
+    async with AsyncEngine(config) as engine:
+        block_bytes = await engine.collective_rpc("get_cache_block_size_bytes", unique_reply_rank=0)
+        total = torch.cuda.mem_get_info()[1]
+        assert 0 < engine.num_blocks * block_bytes <= 0.3 * total
+
+
+async def test_shutdown_gives_device_memory_back(llama_ckpt: Path) -> None:
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info()[0]
+    engine = AsyncEngine(_cuda_config(llama_ckpt, cache={"num_blocks": 4096}))
+    await engine.start()
+    assert torch.cuda.mem_get_info()[0] < free_before
+    await engine.shutdown()
+    assert torch.cuda.mem_get_info()[0] >= free_before - (64 << 20)
