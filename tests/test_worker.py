@@ -74,6 +74,14 @@ async def test_extension_clash_fails_at_startup_naming_the_attribute(make_engine
     await engine.shutdown()
 
 
+async def test_extension_clash_in_a_composed_mixin_is_found_too(make_engine, llama_ckpt: Path) -> None:
+    qualname = "tests.worker_extensions.ComposedClashingExtension"
+    engine = make_engine(llama_ckpt, parallel={"worker_extension_cls": qualname})
+    with pytest.raises(AIOEngineError, match="load_model"):
+        await engine.start()
+    await engine.shutdown()
+
+
 async def test_two_engines_with_different_extensions_stay_separate(make_engine, llama_ckpt: Path) -> None:
     async with make_engine(llama_ckpt, parallel={"worker_extension_cls": EXT}) as a, \
             make_engine(llama_ckpt, parallel={"worker_extension_cls": "tests.worker_extensions.OtherExtension"}) as b:

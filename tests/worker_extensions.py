@@ -49,3 +49,7 @@ class ForcedTokenWorker(CPUWorker):
             logits.fill_(0.0)
             logits[:, self.FORCED] = 1.0
         return super().sample_tokens()
+
+
+class ComposedClashingExtension(EchoExtension, ClashingExtension):
+    """Defines nothing itself: the clash comes from a base mixin."""

@@ -29,8 +29,9 @@ def resolve_obj_by_qualname(qualname: str | type) -> type:
 
 def with_extension(worker_cls: type, extension_cls: type) -> type:
     """A NEW subclass mixing ``extension_cls`` into ``worker_cls``; neither class is modified."""
+    own = {name for c in extension_cls.__mro__ if c is not object for name in vars(c)}  # composed mixins too
     clashes = sorted(
-        name for name in vars(extension_cls)
+        name for name in own
         if not (name.startswith("__") and name.endswith("__")) and any(hasattr(c, name) for c in worker_cls.__mro__)
     )  # fmt: skip
     if clashes:
