@@ -96,10 +96,12 @@ def iter_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]
             raise CheckpointError(f"cannot read {file}: {exc}") from exc
 
 
-def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True) -> int:
+def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True,
+                 partial: bool = False) -> int:
     """Copies checkpoint tensors into ``model`` in place; returns the number of tensors written.
 
-    Every parameter must be covered; with ``strict`` an unknown checkpoint name is an error too.
+    Every parameter must be covered unless ``partial`` (an update of some weights of a loaded
+    model); with ``strict`` an unknown checkpoint name is an error too.
     """
     params = dict(model.named_parameters())
     filled: dict[str, set[tuple[int, int]]] = {name: set() for name in params}  # (offset, rows) pieces written
@@ -125,6 +127,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
         dst.copy_(tensor)
         filled[target.param].add((target.offset, dst.shape[0] if dst.dim() else 1))
         written += 1
+    if partial:
+        return written
     # A set of pieces, not a running count: a tensor repeated in two shards cannot hide a missing one.
     missing = [n for n, pieces in filled.items() if sum(rows for _, rows in pieces) < max(params[n].shape[0:1] or (1,))]
     if missing:

@@ -1,0 +1,236 @@
+"""WeightSyncExtension: a trainer pushes new weights into a running engine (RL-style), in place.
+
+Two ways in, both ordered with the model steps because they run on the worker's thread:
+
+- ``load_weights_from_tensors``: the trainer hands tensors over directly: a trainer in the same
+  process, or CPU tensors in shared memory (``tensor.share_memory_()``) from a forked one.
+- ``init_weight_update_group`` + ``receive_weights``: the trainer broadcasts over a PRIVATE
+  torch.distributed process group (gloo; nccl on CUDA). torch.distributed's default group is
+  never touched, so an engine inside a training job does not interfere with the job's own.
+  Everything binds to 127.0.0.1: the trainer runs on the same host.
+
+Names are Hugging Face checkpoint names (``q_proj`` ...); they go through the model's own name
+mapping (fused ``qkv_proj`` / ``gate_up_proj``). Parameters are written with ``copy_`` and never
+reallocated, so anything holding them (captured graphs, data pointers) stays valid. A batch is
+checked, name by name and shape by shape, before anything is written or received: a bad batch
+changes nothing.
+
+The trainer side needs only :func:`trainer_group`, :func:`weight_metadata` and
+:func:`broadcast_weights` (plain functions, no engine import).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from aioengine.errors import AIOEngineError, CheckpointError
+from aioengine.model.loader import load_weights
+from plugins.inspect import loaded_model
+
+__all__ = [
+    "LOOPBACK",
+    "WeightMeta",
+    "WeightSyncExtension",
+    "broadcast_weights",
+    "free_port",
+    "trainer_group",
+    "weight_metadata",
+]
+
+LOOPBACK = "127.0.0.1"
+WeightMeta = tuple[str, str, list[int]]
+"""``(hf_name, dtype, shape)`` of one broadcast tensor, e.g. ``("lm_head.weight", "float32", [1088, 64])``."""
+
+NamedTensors = Sequence[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+
+_LOOPBACK_NAMES = (LOOPBACK, "localhost")
+_GROUP_ATTR = "_weight_sync_group"  # per-worker state lives on the instance: the mixin has no __init__
+
+
+# ---- shared by both sides ----------------------------------------------------------------------------
+def _as_pairs(named_tensors: NamedTensors | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    return list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype (use e.g. 'float32', 'bfloat16')")
+    return dtype
+
+
+def _group_options(timeout: timedelta) -> Any:
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]  # default: the host's address
+    options._timeout = timeout
+    return options
+
+
+def _make_group(store: dist.Store, rank: int, world_size: int, backend: str, timeout: timedelta) -> Any:
+    """A process group of its own over ``store``; the global default group stays as it is."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, _group_options(timeout))
+    if backend == "nccl":
+        if not (torch.cuda.is_available() and hasattr(dist, "ProcessGroupNCCL")):
+            raise AIOEngineError("backend 'nccl' needs CUDA and a torch built with NCCL; use backend='gloo'")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+
+
+# ---- trainer side -------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (another process may still take it before you do)."""
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def trainer_group(master_port: int, world_size: int, *, backend: str = "gloo",
+                  timeout: timedelta = timedelta(seconds=60)) -> tuple[dist.Store, Any]:  # fmt: skip
+    """Rank 0 of a weight-update group: hosts the TCPStore on ``127.0.0.1:master_port``.
+
+    Blocks until the ``world_size - 1`` engine workers have joined (their
+    ``init_weight_update_group`` calls), so start those concurrently. Keep both returned objects
+    alive while the group is in use; dropping them closes it.
+    """
+    listener = socket.socket()
+    try:
+        listener.bind((LOOPBACK, master_port))  # TCPStore alone would listen on every interface
+        listener.listen()
+    except OSError:
+        listener.close()
+        raise
+    # The store takes the listening socket over (and closes it with itself).
+    store = dist.TCPStore(LOOPBACK, master_port, world_size, is_master=True, timeout=timeout,
+                          master_listen_fd=listener.detach())  # fmt: skip
+    return store, _make_group(store, 0, world_size, backend, timeout)
+
+
+def weight_metadata(named_tensors: NamedTensors) -> list[WeightMeta]:
+    """What ``receive_weights`` needs to know before the broadcast: names, dtypes, shapes, in order."""
+    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in _as_pairs(named_tensors)]
+
+
+def broadcast_weights(group: Any, named_tensors: NamedTensors, src: int = 0) -> list[WeightMeta]:
+    """Broadcasts each tensor from rank ``src``, in order; returns their metadata.
+
+    The receivers must call ``receive_weights`` with the same metadata (``weight_metadata`` gives
+    it before you start). With nccl the tensors must be on the trainer's CUDA device.
+    """
+    pairs = _as_pairs(named_tensors)
+    for _, tensor in pairs:
+        group.broadcast(tensor.detach().contiguous(), src).wait()
+    return weight_metadata(pairs)
+
+
+# ---- engine side --------------------------------------------------------------------------------------
+def _check_batch(model: Any, shapes: Iterable[tuple[str, tuple[int, ...]]], partial: bool) -> None:
+    """Raises CheckpointError naming the first tensor with no place or a wrong shape; writes nothing."""
+    params = dict(model.named_parameters())
+    rows: dict[str, set[tuple[int, int]]] = {name: set() for name in params}
+    for name, shape in shapes:
+        try:
+            target = model.resolve_weight(name)
+        except KeyError:
+            raise CheckpointError(f"weight update tensor {name!r} has no place in {type(model).__name__}; "
+                                  "nothing was written (use Hugging Face checkpoint names)") from None  # fmt: skip
+        if target is None:
+            continue  # e.g. lm_head of a tied model: the embedding update covers it
+        param = params[target.param]
+        expected = tuple(param.shape) if target.size is None else (target.size, *param.shape[1:])
+        if tuple(shape) != expected:
+            raise CheckpointError(
+                f"weight update tensor {name!r} has shape {tuple(shape)}, the model expects {expected}; "
+                "nothing was written"
+            )
+        rows[target.param].add((target.offset, expected[0] if expected else 1))
+    if not partial:
+        missing = [n for n, pieces in rows.items() if sum(r for _, r in pieces) < (params[n].shape[0:1] or (1,))[0]]
+        if missing:
+            raise CheckpointError(f"a full weight update (partial=False) has no tensors for {missing[:8]}; "
+                                  "nothing was written")  # fmt: skip
+
+
+class WeightSyncExtension:
+    """Worker mixin: receive weights from a trainer, in place, between model steps."""
+
+    def load_weights_from_tensors(self, named_tensors: NamedTensors, partial: bool = True) -> int:
+        """Writes ``[(hf_name, tensor)]`` (or a dict) into the model; returns the tensors written.
+
+        ``partial=False`` also requires every parameter to be covered. All names and shapes are
+        checked first; a bad batch raises ``CheckpointError`` naming the tensor and writes nothing.
+        """
+        model = loaded_model(self)
+        pairs = _as_pairs(named_tensors)
+        for name, tensor in pairs:
+            if not isinstance(tensor, torch.Tensor):
+                raise CheckpointError(f"weight update {name!r} is a {type(tensor).__name__}, not a tensor")
+        _check_batch(model, ((name, tuple(t.shape)) for name, t in pairs), partial)
+        with torch.no_grad():
+            return load_weights(model, pairs, strict=True, partial=partial)
+
+    def init_weight_update_group(self, master_address: str, master_port: int, rank: int, world_size: int,
+                                 backend: str = "gloo", timeout_s: float = 60.0) -> None:  # fmt: skip
+        """Joins the trainer's group (``trainer_group``); blocks until every rank is in.
+
+        ``rank`` is the group rank of the engine's worker 0; worker ``r`` joins as ``rank + r``
+        (the same arguments go to every worker). The worker's thread, and so the engine's steps,
+        waits meanwhile, at most ``timeout_s``.
+        """
+        if master_address not in _LOOPBACK_NAMES:
+            raise AIOEngineError(f"weight sync binds to {LOOPBACK} only, so the trainer must run on this host; "
+                                 f"got master_address={master_address!r}")  # fmt: skip
+        if getattr(self, _GROUP_ATTR, None) is not None:
+            raise AIOEngineError("a weight update group is already open; call close_weight_update_group first")
+        if backend == "nccl" and self.device.type != "cuda":  # type: ignore[attr-defined]
+            raise AIOEngineError("backend 'nccl' needs the engine on a CUDA device; use backend='gloo'")
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(LOOPBACK, master_port, world_size, is_master=False, timeout=timeout)
+        group = _make_group(store, rank + self.rank, world_size, backend, timeout)  # type: ignore[attr-defined]
+        setattr(self, _GROUP_ATTR, (store, group, backend))
+
+    def receive_weights(self, metadata: Sequence[WeightMeta], src: int = 0, partial: bool = True) -> int:
+        """Receives the tensors ``metadata`` describes, in its order, writing each in place.
+
+        Names and shapes are checked against the model before anything is written: a bad batch is
+        still received (so the trainer's broadcast completes) but dropped, and ``CheckpointError``
+        names the tensor. Peak extra memory is one tensor. Returns the number of tensors written.
+        """
+        state = getattr(self, _GROUP_ATTR, None)
+        if state is None:
+            raise AIOEngineError("no weight update group; call init_weight_update_group first")
+        _, group, backend = state
+        model = loaded_model(self)
+        specs = [(name, _dtype(dtype), tuple(int(d) for d in shape)) for name, dtype, shape in metadata]
+        on = self.device if backend == "nccl" else torch.device("cpu")  # type: ignore[attr-defined]
+
+        def received() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, dtype, shape in specs:
+                buf = torch.empty(shape, dtype=dtype, device=on)
+                group.broadcast(buf, src).wait()
+                yield name, buf
+
+        try:
+            _check_batch(model, ((name, shape) for name, _, shape in specs), partial)
+        except CheckpointError:
+            # Still take the broadcast (and drop it): the trainer does not hang, the group stays usable.
+            for _ in received():
+                pass
+            raise
+        with torch.no_grad():
+            return load_weights(model, received(), strict=True, partial=partial)
+
+    def close_weight_update_group(self) -> None:
+        """Leaves the group and drops its store connection; safe to call when none is open."""
+        state = getattr(self, _GROUP_ATTR, None)
+        setattr(self, _GROUP_ATTR, None)
+        if state is not None and hasattr(state[1], "shutdown"):
+            state[1].shutdown()
