@@ -1,0 +1,270 @@
+"""Specification of many concurrent requests on one event loop: cancellations, leaks, loop lag,
+and continuous batching (requests join and leave between any two steps)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from conftest import engine_config
+
+from aioengine import AsyncEngine, RequestOutput, SamplingParams
+
+NUM_REQUESTS = 200
+TICK = 0.005
+LONG_FORWARD = 10 * TICK
+TIMEOUT = 120.0
+"""Seconds the whole storm may take before the test fails instead of hanging."""
+
+
+async def wait_until_idle(engine: AsyncEngine, timeout: float = 5.0) -> dict[str, Any]:
+    """Polls stats until no request holds a block or a queue slot; fails after ``timeout``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        stats = engine.stats()
+        if (
+            stats["kv_blocks_free"] == stats["kv_blocks_total"]
+            and stats["requests_running"] == 0
+            and stats["requests_waiting"] == 0
+        ):
+            return stats
+        if loop.time() > deadline:
+            raise AssertionError(f"engine still holds a request {timeout}s later: {stats}")
+        await asyncio.sleep(0.01)
+
+
+async def final(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> RequestOutput:
+    out = None
+    async for out in engine.generate(prompt, params):
+        pass
+    assert out is not None
+    return out
+
+
+@dataclass
+class Spec:
+    prompt: list[int]
+    params: SamplingParams
+    cancel_after_outputs: int | None = None
+    """The consumer cancels its own task after this many outputs."""
+    cancel_after_seconds: float | None = None
+    """Another task cancels the consumer after this long (it may have finished by then)."""
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+
+def make_specs(rng: random.Random) -> list[Spec]:
+    specs = []
+    for i in range(NUM_REQUESTS):
+        prompt = [rng.randrange(3, 1000) for _ in range(rng.choice([1, 3, 8, 20, 45, 90]))]
+        max_tokens = rng.randint(4, 16)
+        kind = i % 3
+        if kind == 0:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        elif kind == 1:
+            params = SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=max_tokens, ignore_eos=True)
+        else:
+            params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+        specs.append(Spec(prompt, params))
+    for i in rng.sample(range(NUM_REQUESTS), NUM_REQUESTS // 3):
+        if rng.random() < 0.5:
+            specs[i].cancel_after_outputs = rng.randint(1, specs[i].params.max_tokens - 1)
+        else:
+            specs[i].cancel_after_seconds = rng.uniform(0.0, 3.0)
+    return specs
+
+
+class LoopLagMeter:
+    """Sleeps TICK in a loop and records how late each wake-up is.
+
+    It also wraps the executor's execute_model to count the ticks during each forward: on a free
+    loop the ticker wakes about every TICK while a forward runs, but a forward computed on the
+    loop thread would let it wake at most once per forward, however long that took.
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.lags: list[float] = []
+        self.forward_seconds: list[float] = []
+        self.ticks_per_forward: list[int] = []
+        self._forward: int | None = None
+        executor = engine.executor
+        assert executor is not None
+        execute = executor.execute_model
+
+        async def tracked(scheduler_output: Any) -> Any:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            self._forward = len(self.ticks_per_forward)
+            self.ticks_per_forward.append(0)
+            try:
+                return await execute(scheduler_output)
+            finally:
+                self._forward = None
+                self.forward_seconds.append(loop.time() - start)
+
+        executor.execute_model = tracked  # type: ignore[method-assign]
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            await asyncio.sleep(TICK)
+            self.lags.append(loop.time() - start - TICK)
+            if self._forward is not None:
+                self.ticks_per_forward[self._forward] += 1
+
+    def ticks_during_long_forwards(self) -> tuple[int, int]:
+        """(forwards that took at least LONG_FORWARD, ticks during them)."""
+        long = [t for t, s in zip(self.ticks_per_forward, self.forward_seconds) if s >= LONG_FORWARD]
+        return len(long), sum(long)
+
+    def report(self) -> str:
+        lags = sorted(self.lags)
+        p99 = lags[min(len(lags) - 1, int(0.99 * len(lags)))]
+        num_long, ticks_long = self.ticks_during_long_forwards()
+        return (
+            f"event-loop lag over {len(lags)} ticks of {TICK * 1e3:.0f} ms: max {lags[-1] * 1e3:.1f} ms, "
+            f"p99 {p99 * 1e3:.1f} ms, median {lags[len(lags) // 2] * 1e3:.1f} ms; "
+            f"{sum(self.ticks_per_forward)} ticks during {len(self.forward_seconds)} forwards "
+            f"({sum(self.forward_seconds):.1f} s), {ticks_long} during the {num_long} forwards "
+            f">= {LONG_FORWARD * 1e3:.0f} ms"
+        )
+
+
+@dataclass
+class Storm:
+    engine: AsyncEngine
+    specs: list[Spec]
+    survivors: list[Spec]
+    cancelled: list[Spec]
+    errors: list[BaseException]
+    meter: LoopLagMeter
+    steps: int
+    generated_tokens: int
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def storm(llama_ckpt) -> AsyncIterator[Storm]:
+    """NUM_REQUESTS concurrent generate() tasks, a third of them cancelled at random moments."""
+    async with AsyncEngine(engine_config(llama_ckpt)) as engine:
+        specs = make_specs(random.Random(20240517))
+        meter = LoopLagMeter(engine)
+
+        async def consume(spec: Spec) -> None:
+            async for out in engine.generate(spec.prompt, spec.params):
+                spec.outputs.append(out)
+                if len(spec.outputs) == spec.cancel_after_outputs:
+                    asyncio.current_task().cancel()  # type: ignore[union-attr]
+                    await asyncio.sleep(0)  # the cancellation lands here, in the consumer's own code
+
+        async def cancel_later(task: asyncio.Task[None], delay: float) -> None:
+            await asyncio.sleep(delay)
+            task.cancel()
+
+        ticker = asyncio.create_task(meter.run())
+        before = engine.stats()
+        tasks = [asyncio.create_task(consume(spec)) for spec in specs]
+        cancellers = [
+            asyncio.create_task(cancel_later(task, spec.cancel_after_seconds))
+            for task, spec in zip(tasks, specs)
+            if spec.cancel_after_seconds is not None
+        ]
+        async with asyncio.timeout(TIMEOUT):
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*cancellers)
+        ticker.cancel()
+        after = engine.stats()
+        yield Storm(
+            engine=engine,
+            specs=specs,
+            survivors=[s for s, r in zip(specs, results) if r is None],
+            cancelled=[s for s, r in zip(specs, results) if isinstance(r, asyncio.CancelledError)],
+            errors=[r for r in results if r is not None and not isinstance(r, asyncio.CancelledError)],
+            meter=meter,
+            steps=after["num_steps"] - before["num_steps"],
+            generated_tokens=after["num_generated_tokens"] - before["num_generated_tokens"],
+        )
+
+
+in_storm_loop = pytest.mark.asyncio(loop_scope="module")
+
+
+@in_storm_loop
+async def test_storm_raises_nothing_but_the_cancellations(storm):
+    assert storm.errors == []
+    assert len(storm.cancelled) >= NUM_REQUESTS // 6, "the storm should really cancel a good share"
+    assert len(storm.survivors) + len(storm.cancelled) == NUM_REQUESTS
+
+
+@in_storm_loop
+async def test_storm_survivors_finish_with_all_their_tokens(storm):
+    assert len(storm.survivors) >= NUM_REQUESTS // 2
+    for spec in storm.survivors:
+        last = spec.outputs[-1]
+        assert last.finished and last.finish_reason == "length"
+        assert len(last.token_ids) == spec.params.max_tokens
+
+
+@in_storm_loop
+async def test_storm_cancelled_requests_stop_generating(storm):
+    # A cancelled request may still get the token of the step in flight (and its consumer may not
+    # have read the last one published): allow 2 tokens beyond what its consumer saw.
+    seen = sum(len(s.outputs[-1].token_ids) if s.outputs else 0 for s in storm.cancelled)
+    budget = sum(s.params.max_tokens for s in storm.survivors) + seen + 2 * len(storm.cancelled)
+    assert storm.generated_tokens <= budget
+    assert storm.generated_tokens < sum(s.params.max_tokens for s in storm.specs)
+
+
+@in_storm_loop
+async def test_storm_leaves_no_request_and_no_block_behind(storm):
+    await wait_until_idle(storm.engine)
+
+
+@in_storm_loop
+async def test_storm_greedy_survivors_match_the_same_prompt_alone(storm):
+    greedy = [s for s in storm.survivors if s.params.temperature == 0.0]
+    for spec in random.Random(3).sample(greedy, 5):
+        alone = await final(storm.engine, spec.prompt, spec.params)
+        assert spec.outputs[-1].token_ids == alone.token_ids
+
+
+@in_storm_loop
+async def test_event_loop_keeps_running_while_the_model_computes(storm):
+    print(f"\n{NUM_REQUESTS} requests in {storm.steps} steps; {storm.meter.report()}")
+    # A forward computed on the loop thread allows at most one tick per forward; a free loop
+    # gives about one per TICK, so a forward of 10 TICKs should see at least 2 on any machine.
+    num_long, ticks = storm.meter.ticks_during_long_forwards()
+    assert ticks >= 2 * num_long, storm.meter.report()
+
+
+async def test_a_short_request_joining_later_finishes_before_the_long_one(llama_engine):
+    engine = llama_engine
+    long_params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    short_params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    long_outputs: list[RequestOutput] = []
+    three = asyncio.Event()
+
+    async def long_request() -> None:
+        async for out in engine.generate(list(range(10, 30)), long_params):
+            long_outputs.append(out)
+            if len(long_outputs[-1].token_ids) >= 3:
+                three.set()
+
+    async with asyncio.timeout(TIMEOUT):
+        long_task = asyncio.create_task(long_request())
+        await three.wait()
+        long_tokens_at_join = len(long_outputs[-1].token_ids)
+        short = await final(engine, list(range(40, 52)), short_params)
+        long_tokens_at_leave = len(long_outputs[-1].token_ids)
+        assert not long_task.done(), "the long request is still running when the short one is done"
+        await long_task
+
+    assert len(short.token_ids) == 4 and short.finish_reason == "length"
+    assert long_tokens_at_join < long_tokens_at_leave < 48, "the long request kept decoding alongside"
+    assert len(long_outputs[-1].token_ids) == 48
+    await wait_until_idle(engine)
