@@ -1,0 +1,1 @@
+"""Side-by-side measurements (ratios measured in one run, never timed assertions in tests)."""
