@@ -42,6 +42,7 @@ __all__ = [
     "ParallelConfig",
     "ProfilerConfig",
     "SchedulerConfig",
+    "SleepConfig",
 ]
 
 CONFIG_ENV_VAR = "AIOENGINE_CONFIG"
@@ -239,6 +240,19 @@ class ProfilerConfig(_Section):
     with_stack: bool = Field(False, description="Record Python stacks in the trace (slower).")
 
 
+class SleepConfig(_Section):
+    """How sleep() frees device memory."""
+
+    backend: Literal["auto", "portable", "torch_memory_saver"] = Field(
+        "auto",
+        description=(
+            "'portable' frees and reallocates storages (CUDA graphs are recaptured on wake); "
+            "'torch_memory_saver' keeps virtual addresses on CUDA so graphs stay valid; "
+            "'auto' picks torch_memory_saver on CUDA when installed, else portable."
+        ),
+    )
+
+
 def _merge_section_objects(init_settings: PydanticBaseSettingsSource) -> PydanticBaseSettingsSource:
     """Let a section object in the kwargs override only the fields it was given.
 
@@ -273,6 +287,7 @@ class EngineConfig(BaseSettings):
     load: LoadConfig = Field(default_factory=LoadConfig, description="Weight loading.")
     compile: CompileConfig = Field(default_factory=CompileConfig, description="CUDA graphs / padded buckets.")
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig, description="torch profiler traces.")
+    sleep: SleepConfig = Field(default_factory=SleepConfig, description="Sleep / wake back end.")
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> EngineConfig:

@@ -33,7 +33,14 @@ class EngineCore:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.dead: BaseException | None = None
+        self.paused = False
+        """No steps run while paused (asleep, or swapping weights); requests still queue."""
+        self.hold_admission = False
+        """New requests wait in ``held`` instead of the scheduler (e.g. while draining before a sleep)."""
+        self.held: list[Request] = []
         self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._task: asyncio.Task[None] | None = None
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -41,7 +48,10 @@ class EngineCore:
         if self.dead is not None:
             raise EngineDeadError(f"engine is not running ({self.dead}); create a new one") from self.dead
         params = request.sampling
-        self.scheduler.add_request(request)
+        if self.hold_admission:
+            self.held.append(request)
+        else:
+            self.scheduler.add_request(request)
         self.detokenizers[request.req_id] = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
         )
@@ -52,10 +62,46 @@ class EngineCore:
     def abort(self, req_id: str, notify: bool = True) -> bool:
         """Finishes a request with reason "abort"; its stream gets a last output if ``notify``."""
         done = self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+        held = [r for r in self.held if r.req_id == req_id]
+        for request in held:
+            self.held.remove(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+        done += held
         for request in done:
             self._publish(request, [], "", finished=True, notify=notify)
         self._drop(req_id)
         return bool(done)
+
+    def abort_all(self) -> int:
+        """Aborts every accepted request (each stream ends with finish_reason "abort"); returns how many."""
+        ids = list(self.scheduler.requests) + [r.req_id for r in self.held]
+        return sum(self.abort(req_id) for req_id in ids)
+
+    # ---- pausing (sleep, weight swaps) -----------------------------------------------------------------
+    async def pause(self) -> None:
+        """Stops stepping; returns once the step in flight (if any) has finished."""
+        self.paused = True
+        await self._idle.wait()
+
+    def resume(self) -> None:
+        """Steps again, admitting the requests that were held meanwhile."""
+        self.paused = False
+        self.release_held()
+        self._wake.set()
+
+    def release_held(self) -> None:
+        self.hold_admission = False
+        held, self.held = self.held, []
+        for request in held:
+            self.scheduler.add_request(request)
+        self._wake.set()
+
+    async def drain(self) -> None:
+        """Returns once every request in the scheduler has finished (new ones should be held first)."""
+        while self.scheduler.has_unfinished_requests() and self.dead is None:
+            await asyncio.sleep(0.002)
+        if self.dead is not None:
+            raise EngineDeadError(f"engine died while draining: {self.dead}") from self.dead
 
     def _drop(self, req_id: str) -> None:
         self.collectors.pop(req_id, None)
@@ -68,25 +114,32 @@ class EngineCore:
     async def _run(self) -> None:
         try:
             while True:
-                if not self.scheduler.has_unfinished_requests():
+                if self.paused or not self.scheduler.has_unfinished_requests():
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                sched = self.scheduler.schedule()
-                if sched.is_empty:  # nothing fits this instant; wait for a change instead of spinning
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), 0.01)
-                    except TimeoutError:
-                        pass
-                    continue
-                output = await self.executor.execute_model(sched)
-                self._process(sched, output)
+                self._idle.clear()
+                try:
+                    await self._step()
+                finally:
+                    self._idle.set()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - any failure of a step ends every stream, never hangs it
             logger.exception("engine step failed; the engine is dead")
             self.fail(EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}"), cause=exc)
+
+    async def _step(self) -> None:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:  # nothing fits this instant; wait for a change instead of spinning
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), 0.01)
+            except TimeoutError:
+                pass
+            return
+        output = await self.executor.execute_model(sched)
+        self._process(sched, output)
 
     def _process(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
         self.num_steps += 1
@@ -138,7 +191,9 @@ class EngineCore:
             collector.put(error)
         self.collectors.clear()
         self.detokenizers.clear()
+        self.held.clear()
         self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
+        self._idle.set()
 
     async def stop(self) -> None:
         if self._task is not None:

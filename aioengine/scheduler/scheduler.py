@@ -176,6 +176,13 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def preempt_all(self) -> int:
+        """Preempts every running request (KV recomputed later, outputs kept); returns how many."""
+        count = len(self.running)
+        while self.running:
+            self._preempt(self.running.pop())  # newest first, so the oldest ends up at the front
+        return count
+
     # ---- internals ---------------------------------------------------------------------------------
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

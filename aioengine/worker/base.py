@@ -67,6 +67,14 @@ class WorkerBase(ABC):
     def profile(self, is_start: bool = True) -> str | None:
         """Starts / stops the torch profiler (``profiler.dir``); RuntimeError naming the option when unset."""
 
+    @abstractmethod
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Frees device memory: level 1 keeps a host copy of the weights, level 2 discards them."""
+
+    @abstractmethod
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Restores "weights" and/or "kv_cache" (default both)."""
+
     def check_health(self) -> None:
         """Raises if the worker cannot serve; returns None while it can."""
 

@@ -16,7 +16,15 @@ import torch
 from aioengine.messages import KVCacheConfig, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from aioengine.model.attention import AttentionMetadata, PrefillChunk
 from aioengine.model.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
-from aioengine.model.loader import load_hf_config, load_model, resolve_dtype, resolve_max_model_len
+from aioengine.model.loader import (
+    checkpoint_files,
+    iter_safetensors,
+    load_hf_config,
+    load_model,
+    load_weights,
+    resolve_dtype,
+    resolve_max_model_len,
+)
 from aioengine.sampling.sampler import Sampler, SamplingMetadata
 from aioengine.worker.cache_engine import CacheEngine
 from aioengine.worker.graphs import PaddedDecodeRunner, default_capture_sizes
@@ -49,6 +57,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.sampler = Sampler()
         self.decode_runner: PaddedDecodeRunner | None = None
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.weights_ready = False
+        """False after sleep level 2 until weights are loaded again: forwards are refused meanwhile."""
         self._pending: tuple[int, torch.Tensor, list[ScheduledRequest], float] | None = None
 
     # ---- set-up ------------------------------------------------------------------------------------
@@ -60,6 +71,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(path, self.hf_config, self.dtype, self.device, self.max_model_len,
                                 strict=self.config.load.strict)
+        self.weights_ready = True
         logger.info("loaded %s (%s) in %.2fs", path, self.dtype, time.perf_counter() - start)
 
     def model_info(self) -> dict[str, Any]:
@@ -87,7 +99,34 @@ class ModelRunner:
             info["num_layers"], self.block_size, info["num_kv_heads"], info["head_size"], self.cache_dtype()
         )
 
+    def reload_weights(self) -> int:
+        """Loads the configured checkpoint again, in place (addresses unchanged); returns tensors written."""
+        assert self.model is not None
+        written = load_weights(self.model, iter_safetensors(checkpoint_files(self.config.model.path)),
+                               strict=self.config.load.strict)  # fmt: skip
+        self.weights_ready = True
+        return written
+
+    def release_kv_cache(self) -> int:
+        """Frees the KV cache (and the graphs that point into it); returns the bytes it held."""
+        if self.cache_engine is None:
+            return 0
+        freed = self.cache_engine.nbytes
+        if self.decode_runner is not None:
+            self.decode_runner.release()
+            self.decode_runner = None
+        self.cache_engine = None
+        return freed
+
+    def restore_kv_cache(self) -> int:
+        """Allocates the KV cache again with the configuration it had; returns its bytes."""
+        assert self.kv_cache_config is not None, "restore_kv_cache before initialize_kv_cache"
+        self.initialize_kv_cache(self.kv_cache_config)
+        assert self.cache_engine is not None
+        return self.cache_engine.nbytes
+
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.kv_cache_config = kv_cache_config
         info = self.model_info()
         self.cache_engine = CacheEngine(
             info["num_layers"], info["num_kv_heads"], info["head_size"], kv_cache_config.block_size,
@@ -173,7 +212,12 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """Runs the forward. Returns None when rows are left to sample: ``sample_tokens`` does that,
         so a worker extension can act between the forward and sampling (as in the seeds)."""
-        assert self.model is not None and self.cache_engine is not None
+        if self.model is None or self.cache_engine is None or not self.weights_ready:
+            raise RuntimeError(
+                "refusing to run a forward: "
+                + ("the weights were discarded (sleep level 2); load them again first" if not self.weights_ready
+                   else "the model or KV cache is not allocated (asleep?)")
+            )  # fmt: skip
         start = time.perf_counter()
         if sched.is_empty:
             return ModelRunnerOutput(sched.step_id, [], [])

@@ -17,6 +17,7 @@ from aioengine.errors import AIOEngineError
 from aioengine.messages import KVCacheConfig, ModelRunnerOutput, SchedulerOutput
 from aioengine.worker.base import WorkerBase
 from aioengine.worker.model_runner import ModelRunner
+from aioengine.worker.sleep import TAGS, SleepBackend, create_sleep_backend, timed
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class Worker(WorkerBase):
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
         self.profiler: torch.profiler.profile | None = None
+        self.sleep_backend: SleepBackend | None = None
         self._shut_down = False
 
     # ---- lifecycle (seeds order) ---------------------------------------------------------------------
@@ -47,6 +49,7 @@ class Worker(WorkerBase):
         self._bind_device()
         torch.manual_seed(self.config.model.seed)
         self.model_runner = ModelRunner(self.config, self.device)
+        self.sleep_backend = create_sleep_backend(self.config.sleep.backend, self.model_runner)
 
     def _bind_device(self) -> None:
         """Device-specific set-up after ``self.device`` is known."""
@@ -57,8 +60,14 @@ class Worker(WorkerBase):
             raise AIOEngineError("worker used before init_device()")
         return self.model_runner
 
+    def _backend(self) -> SleepBackend:
+        if self.sleep_backend is None:
+            raise AIOEngineError("worker used before init_device()")
+        return self.sleep_backend
+
     def load_model(self) -> None:
-        self._runner().load_model()
+        with self._backend().allocation_region("weights"):
+            self._runner().load_model()
 
     def get_model_info(self) -> dict[str, Any]:
         return self._runner().model_info()
@@ -67,7 +76,50 @@ class Worker(WorkerBase):
         return self._runner().get_cache_block_size_bytes()
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        self._runner().initialize_kv_cache(kv_cache_config)
+        with self._backend().allocation_region("kv_cache"):
+            self._runner().initialize_kv_cache(kv_cache_config)
+
+    # ---- sleep / wake --------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Frees device memory (level 1: weights backed up to host; level 2: weights discarded).
+
+        Returns bytes freed per tag, seconds and notes. Sleeping while asleep changes nothing and says so.
+        """
+        backend = self._backend()
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if backend.asleep:
+            return {"freed_bytes": {"kv_cache": 0, "weights": 0}, "seconds": 0.0,
+                    "notes": [f"already asleep (level {backend.level}); nothing freed"]}  # fmt: skip
+        return timed(backend.sleep, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Restores ``tags`` (default: all); recaptures decode graphs once everything is awake."""
+        tags = list(TAGS) if tags is None else list(tags)
+        unknown = sorted(set(tags) - set(TAGS))
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {unknown}; known tags: {list(TAGS)}")
+        backend = self._backend()
+        report = timed(backend.wake_up, tags)
+        report["graph_capture_seconds"] = 0.0
+        runner = self._runner()
+        if not backend.asleep and runner.decode_runner is not None and not runner.decode_runner.graphs:
+            report["graph_capture_seconds"] = runner.capture_model()
+        report["asleep"] = sorted(backend.asleep)
+        return report
+
+    def is_sleeping(self) -> list[str]:
+        """Tags still asleep (empty when fully awake)."""
+        return sorted(self._backend().asleep)
+
+    def reload_weights(self) -> dict[str, Any]:
+        """Loads the configured checkpoint into the (awake) parameters, in place."""
+        backend = self._backend()
+        if "weights" in backend.asleep:
+            raise AIOEngineError("wake the weights first (wake_up(tags=['weights'])), then reload them")
+        start = time.perf_counter()
+        written = self._runner().reload_weights()
+        return {"tensors": written, "seconds": time.perf_counter() - start}
 
     def compile_or_warm_up_model(self) -> float:
         """Warm-up forward, then decode graph capture (CUDA); returns seconds, which are logged."""
