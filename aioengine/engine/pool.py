@@ -1,0 +1,165 @@
+"""EnginePool: several engines, one per model name, sharing one device under a memory budget.
+
+Each engine's footprint is what sleeping frees (measured when the pool starts: every engine is
+started, then put to sleep). ``generate(model_name, ...)`` wakes the target, first putting the
+least recently used awake engines to sleep (mode "wait": their requests finish first) until the
+budget and ``max_awake`` allow. Requests for a sleeping model wait during the switch; none is
+dropped. An engine idle for ``idle_timeout`` seconds goes to sleep by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aioengine.config import EngineConfig
+from aioengine.engine.async_engine import AsyncEngine, Prompt
+from aioengine.engine.outputs import RequestOutput
+from aioengine.errors import InvalidRequestError
+from aioengine.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Tenant:
+    engine: AsyncEngine
+    footprint: int = 0
+    awake: bool = False
+    active: int = 0
+    last_used: float = 0.0
+
+
+class EnginePool:
+    """Multi-tenant engines on one device; at most ``max_awake`` awake and within ``budget_bytes``."""
+
+    def __init__(
+        self,
+        engines: Mapping[str, EngineConfig | AsyncEngine],
+        *,
+        budget_bytes: int | None = None,
+        max_awake: int | None = None,
+        idle_timeout: float | None = None,
+        sleep_level: int = 1,
+    ) -> None:
+        if not engines:
+            raise ValueError("EnginePool needs at least one engine")
+        if max_awake is not None and max_awake < 1:
+            raise ValueError(f"max_awake must be >= 1, got {max_awake}")
+        self.tenants = {
+            name: _Tenant(e if isinstance(e, AsyncEngine) else AsyncEngine(e)) for name, e in engines.items()
+        }
+        self.budget_bytes = budget_bytes
+        self.max_awake = max_awake
+        self.idle_timeout = idle_timeout
+        self.sleep_level = sleep_level
+        self.num_switches = 0
+        self._switch_lock = asyncio.Lock()
+        self._idle_task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> EnginePool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    async def start(self) -> None:
+        """Starts every engine and puts it to sleep, measuring what its sleep frees (its footprint)."""
+        for name, tenant in self.tenants.items():
+            await tenant.engine.start()
+            report = await tenant.engine.sleep(self.sleep_level, mode="wait")
+            tenant.footprint = sum(report["freed_bytes"].values())
+            if self.budget_bytes is not None and tenant.footprint > self.budget_bytes:
+                raise InvalidRequestError(
+                    f"engine {name!r} needs {tenant.footprint} bytes awake, more than the pool budget "
+                    f"{self.budget_bytes}; raise budget_bytes or shrink that engine's KV cache"
+                )
+        if self.idle_timeout is not None:
+            self._idle_task = asyncio.get_running_loop().create_task(self._sleep_idle_engines())
+
+    def _tenant(self, model_name: str) -> _Tenant:
+        try:
+            return self.tenants[model_name]
+        except KeyError:
+            raise InvalidRequestError(
+                f"no engine named {model_name!r} in the pool; known: {', '.join(self.tenants)}"
+            ) from None
+
+    async def generate(
+        self, model_name: str, prompt: Prompt, params: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """Streams one request on ``model_name``'s engine, waking it first if needed."""
+        tenant = self._tenant(model_name)
+        await self._acquire(model_name, tenant)
+        try:
+            async for out in tenant.engine.generate(prompt, params, request_id):
+                yield out
+        finally:
+            tenant.active -= 1
+            tenant.last_used = time.monotonic()
+
+    async def _acquire(self, name: str, tenant: _Tenant) -> None:
+        async with self._switch_lock:
+            if not tenant.awake:
+                await self._make_room_for(name, tenant)
+                await tenant.engine.wake_up()
+                tenant.awake = True
+                self.num_switches += 1
+                logger.info("pool: %s awake (%d bytes)", name, tenant.footprint)
+            tenant.active += 1
+            tenant.last_used = time.monotonic()
+
+    async def _make_room_for(self, name: str, tenant: _Tenant) -> None:
+        while True:
+            awake = [(n, t) for n, t in self.tenants.items() if t.awake and n != name]
+            over_count = self.max_awake is not None and len(awake) + 1 > self.max_awake
+            used = sum(t.footprint for _, t in awake)
+            over_budget = self.budget_bytes is not None and used + tenant.footprint > self.budget_bytes
+            if not awake or not (over_count or over_budget):
+                return
+            victim_name, victim = min(awake, key=lambda item: item[1].last_used)
+            await victim.engine.sleep(self.sleep_level, mode="wait")  # its requests finish first
+            victim.awake = False
+            logger.info("pool: %s asleep to make room for %s", victim_name, name)
+
+    async def _sleep_idle_engines(self) -> None:
+        assert self.idle_timeout is not None
+        while True:
+            await asyncio.sleep(max(self.idle_timeout / 4, 0.01))
+            now = time.monotonic()
+            async with self._switch_lock:
+                for name, tenant in self.tenants.items():
+                    if tenant.awake and tenant.active == 0 and now - tenant.last_used >= self.idle_timeout:
+                        await tenant.engine.sleep(self.sleep_level, mode="wait")
+                        tenant.awake = False
+                        logger.info("pool: %s asleep after %.1fs idle", name, now - tenant.last_used)
+
+    def awake_models(self) -> list[str]:
+        return [name for name, tenant in self.tenants.items() if tenant.awake]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "awake": self.awake_models(),
+            "switches": self.num_switches,
+            "budget_bytes": self.budget_bytes,
+            "footprints": {name: t.footprint for name, t in self.tenants.items()},
+            "active": {name: t.active for name, t in self.tenants.items()},
+        }
+
+    async def shutdown(self) -> None:
+        """Stops the idle watcher and every engine (asleep or not). Safe to call more than once."""
+        if self._idle_task is not None:
+            self._idle_task.cancel()
+            try:
+                await self._idle_task
+            except asyncio.CancelledError:
+                pass
+            self._idle_task = None
+        for tenant in self.tenants.values():
+            await tenant.engine.shutdown()
