@@ -1,4 +1,5 @@
-"""GPU check: CUDA-graph capture time, decode step time eager vs graph, greedy parity graph vs eager.
+"""GPU check: CUDA-graph capture time, decode step time eager vs graph, greedy parity graph vs eager,
+and per sleep level: device memory freed, sleep/wake seconds, outputs and graph replay after wake.
 
 Run through scripts/gpu_check.sh on a CUDA machine. Prints a markdown table; exits non-zero if
 parity fails. Uses a locally built random-init Llama (float32, so parity is exact).
@@ -81,6 +82,39 @@ async def greedy(path: Path, eager: bool, prompts: list[list[int]]) -> list[list
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
+async def sleep_check(path: Path, prompts: list[list[int]]) -> list[tuple[str, str]]:
+    """Per level: device memory freed (mem_get_info), sleep/wake seconds, outputs and graphs after wake."""
+    rows = []
+    async with AsyncEngine(config(path, eager=False)) as engine:
+        async def outputs() -> list[list[int]]:
+            async def one(p: list[int]) -> list[int]:
+                last = None
+                async for o in engine.generate(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)):
+                    last = o
+                assert last is not None
+                return last.token_ids
+
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+        before = await outputs()
+        for level in (1, 2):
+            torch.cuda.synchronize()
+            free0 = torch.cuda.mem_get_info()[0]
+            slept = await engine.sleep(level)
+            free1 = torch.cuda.mem_get_info()[0]
+            woke = await engine.wake_up()
+            if level == 2:
+                woke["seconds"] += (await engine.reload_weights())["seconds"]
+            graphs = await engine.collective_rpc(lambda w: len(w.model_runner.decode_runner.graphs), unique_reply_rank=0)
+            same = await outputs() == before
+            rows.append((f"sleep level {level}: device memory freed", f"{(free1 - free0) / 2**20:.0f} MiB "
+                         f"(reported {sum(slept['freed_bytes'].values()) / 2**20:.0f} MiB)"))
+            rows.append((f"sleep level {level}: sleep / wake s", f"{slept['seconds']:.3f} / {woke['seconds']:.3f} "
+                         f"(graph recapture {woke.get('graph_capture_seconds', 0):.2f} s)"))
+            rows.append((f"sleep level {level}: outputs after wake identical, graphs live", f"{same}, {graphs} graphs"))
+    return rows
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device", file=sys.stderr)
@@ -92,6 +126,7 @@ def main() -> int:
         prompts = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in torch.randint(1, 200, (24,), generator=g)]
         eager_tokens = asyncio.run(greedy(path, True, prompts))
         graph_tokens = asyncio.run(greedy(path, False, prompts))
+        sleep_rows = asyncio.run(sleep_check(path, prompts[:8]))
     same = sum(a == b for a, b in zip(eager_tokens, graph_tokens))
     print(f"\n{torch.cuda.get_device_name()} · torch {torch.__version__} · Llama h1024 x 8 layers, float32\n")
     print("| measure | value |\n|---|---|")
@@ -99,7 +134,10 @@ def main() -> int:
     for b, (eager_ms, graph_ms) in times.items():
         print(f"| decode step, batch {b} (eager / graph) | {eager_ms:.2f} ms / {graph_ms:.2f} ms ({eager_ms / graph_ms:.1f}x) |")
     print(f"| greedy parity graph vs eager (24 prompts x 32 tokens) | {same}/{len(prompts)} identical |")
-    return 0 if same == len(prompts) else 1
+    for name, value in sleep_rows:
+        print(f"| {name} | {value} |")
+    sleep_ok = all(not name.endswith("graphs live") or value.startswith("True") for name, value in sleep_rows)
+    return 0 if same == len(prompts) and sleep_ok else 1
 
 
 if __name__ == "__main__":
