@@ -233,4 +233,7 @@ class WeightSyncExtension:
         state = getattr(self, _GROUP_ATTR, None)
         setattr(self, _GROUP_ATTR, None)
         if state is not None and hasattr(state[1], "shutdown"):
+            # Both sides pass a barrier first: a peer that tears its sockets down while the other is
+            # still finishing makes gloo call std::terminate in the slower process.
+            state[1].barrier().wait()
             state[1].shutdown()

@@ -257,6 +257,7 @@ torch.set_num_threads(1)
 ckpt, port = sys.argv[1], int(sys.argv[2])
 store, group = trainer_group(port, world_size=2, timeout=timedelta(seconds=30))
 broadcast_weights(group, load_file(ckpt))
+group.barrier().wait()  # the engine passes the same barrier in close_weight_update_group
 group.shutdown()
 """
 """A trainer program: hosts the group on 127.0.0.1:port and broadcasts a safetensors file."""
@@ -305,6 +306,7 @@ async def test_a_rejected_broadcast_changes_nothing_and_keeps_the_group_in_step(
                 broadcast_weights(group, bad)
                 broadcast_weights(group, good)
                 release.wait(TIMEOUT)
+                group.barrier().wait()  # matched by close_weight_update_group on the engine side
             finally:
                 group.shutdown()
                 del store

@@ -96,43 +96,85 @@ def iter_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]
             raise CheckpointError(f"cannot read {file}: {exc}") from exc
 
 
-def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True,
-                 partial: bool = False) -> int:
-    """Copies checkpoint tensors into ``model`` in place; returns the number of tensors written.
+TensorSpec = tuple[str, tuple[int, ...], torch.dtype]
+"""(checkpoint name, shape, dtype): what is known of a tensor before its bytes are read."""
 
-    Every parameter must be covered unless ``partial`` (an update of some weights of a loaded
-    model); with ``strict`` an unknown checkpoint name is an error too.
+
+class WeightPlan:
+    """Checks checkpoint tensors against a model and says where each goes, before anything is written.
+
+    ``check`` validates one tensor (name, shape, dtype) and records the piece it fills; ``finish``
+    checks that every parameter is covered (unless partial). Used one tensor at a time when a model
+    loads, and over a whole source before the first write when weights are swapped into a live one.
     """
-    params = dict(model.named_parameters())
-    filled: dict[str, set[tuple[int, int]]] = {name: set() for name in params}  # (offset, rows) pieces written
-    written = 0
-    for name, tensor in weights:
+
+    def __init__(self, model: LlamaForCausalLM, *, strict: bool = True, partial: bool = False) -> None:
+        self.model = model
+        self.strict = strict
+        self.partial = partial
+        self.params = dict(model.named_parameters())
+        self.filled: dict[str, set[tuple[int, int]]] = {name: set() for name in self.params}  # (offset, rows)
+
+    def check(self, name: str, shape: Iterable[int], dtype: torch.dtype) -> WeightTarget | None:
+        """Where ``name`` goes (None: a tensor to skip); raises CheckpointError naming the tensor."""
         try:
-            target = model.resolve_weight(name)
+            target = self.model.resolve_weight(name)
         except KeyError:
-            if strict:
+            if self.strict:
                 raise CheckpointError(
-                    f"checkpoint tensor {name!r} has no place in {type(model).__name__} "
+                    f"checkpoint tensor {name!r} has no place in {type(self.model).__name__} "
                     "(set load.strict=false to skip unknown tensors)"
                 ) from None
-            continue
+            return None
         if target is None:
-            continue
-        param = params[target.param]
-        dst = param.data if target.size is None else param.data.narrow(0, target.offset, target.size)
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise CheckpointError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(dst.shape)}"
-            )
-        dst.copy_(tensor)
-        filled[target.param].add((target.offset, dst.shape[0] if dst.dim() else 1))
-        written += 1
-    if partial:
-        return written
-    # A set of pieces, not a running count: a tensor repeated in two shards cannot hide a missing one.
-    missing = [n for n, pieces in filled.items() if sum(rows for _, rows in pieces) < max(params[n].shape[0:1] or (1,))]
-    if missing:
-        raise CheckpointError(f"checkpoint is missing tensors for: {', '.join(_hf_names(n) for n in missing[:8])}")
+            return None
+        dst = self.destination(target)
+        if tuple(dst.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(shape)}, the model expects {tuple(dst.shape)}")
+        if not _castable(dtype, dst.dtype):
+            raise CheckpointError(f"tensor {name!r} has dtype {dtype}, which cannot be cast safely to {dst.dtype}")
+        self.filled[target.param].add((target.offset, dst.shape[0] if dst.dim() else 1))
+        return target
+
+    def destination(self, target: WeightTarget) -> torch.Tensor:
+        data = self.params[target.param].data
+        return data if target.size is None else data.narrow(0, target.offset, target.size)
+
+    def finish(self) -> None:
+        """Raises CheckpointError unless every parameter is covered (skipped when partial)."""
+        if self.partial:
+            return
+        # A set of pieces, not a running count: a tensor repeated in two shards cannot hide a missing one.
+        missing = [
+            n for n, pieces in self.filled.items()
+            if sum(rows for _, rows in pieces) < max(self.params[n].shape[0:1] or (1,))
+        ]  # fmt: skip
+        if missing:
+            raise CheckpointError(f"checkpoint is missing tensors for: {', '.join(_hf_names(n) for n in missing[:8])}")
+
+
+def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Float to float (any width) is a safe cast for weights; integers, bools and complex are not."""
+    return src.is_floating_point == dst.is_floating_point and not src.is_complex
+
+
+def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True,
+                 partial: bool = False) -> int:
+    """Copies checkpoint tensors into ``model`` in place, checking each before it is written.
+
+    Returns the number of tensors written. Every parameter must be covered unless ``partial``
+    (an update of some weights of a loaded model); with ``strict`` an unknown name is an error.
+    This writes as it goes: for all-or-nothing updates check the whole source with a
+    :class:`WeightPlan` first (as ``update_weights`` does).
+    """
+    plan = WeightPlan(model, strict=strict, partial=partial)
+    written = 0
+    for name, tensor in weights:
+        target = plan.check(name, tensor.shape, tensor.dtype)
+        if target is not None:
+            plan.destination(target).copy_(tensor)
+            written += 1
+    plan.finish()
     return written
 
 
