@@ -72,8 +72,14 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _path_to_str(value: Any) -> Any:
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
 class ModelConfig(_Section):
     """Which checkpoint to serve and how to load its weights."""
+
+    _paths_as_str = field_validator("path", "tokenizer", mode="before")(_path_to_str)
 
     path: str | None = Field(
         None,
@@ -236,6 +242,7 @@ class ProfilerConfig(_Section):
     dir: str | None = Field(
         None, description="Directory for torch profiler traces. None: profiling is off (profile() raises)."
     )
+    _dir_as_str = field_validator("dir", mode="before")(_path_to_str)
     record_shapes: bool = Field(False, description="Record tensor shapes in the trace.")
     with_stack: bool = Field(False, description="Record Python stacks in the trace (slower).")
 

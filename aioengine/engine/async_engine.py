@@ -11,6 +11,7 @@ from typing import Any
 
 from aioengine.config import EngineConfig
 from aioengine.engine.core import EngineCore
+from aioengine.engine.lifecycle import SleepAndWeightsMixin
 from aioengine.engine.outputs import RequestOutput
 from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError, RequestTooLargeError
 from aioengine.executor.base import Executor
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
 
 
-class AsyncEngine:
+class AsyncEngine(SleepAndWeightsMixin):
     """Continuous-batching generation inside your own event loop.
 
     ``async with AsyncEngine(config) as engine:`` starts the worker (model load, KV cache,
@@ -202,101 +203,6 @@ class AsyncEngine:
         assert self.executor is not None
         return await self.executor.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
 
-    # ---- sleep / wake --------------------------------------------------------------------------------
-    async def sleep(self, level: int = 1, mode: str = "wait") -> dict[str, Any]:
-        """Frees the engine's device memory so another tenant can use it.
-
-        level 1 keeps a host copy of the weights; level 2 discards them (load them again with
-        ``reload_weights`` or ``update_weights`` after ``wake_up``). ``mode`` says what happens to
-        requests in flight: "wait" finishes them first, "abort" ends them (finish_reason "abort"),
-        "keep" preempts them and they continue after wake, recomputing their KV. Requests submitted
-        while asleep wait and run after wake. Returns bytes freed per tag, seconds and notes.
-        """
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        if mode not in ("wait", "abort", "keep"):
-            raise ValueError(f"sleep mode must be 'wait', 'abort' or 'keep', got {mode!r}")
-        async with self._control_lock:
-            core = self._require_core()
-            if self._asleep:
-                return {"level": self._sleep_level, "mode": mode, "freed_bytes": {"weights": 0, "kv_cache": 0},
-                        "seconds": 0.0, "notes": [f"already asleep (level {self._sleep_level}); nothing done"]}  # fmt: skip
-            start = time.perf_counter()
-            aborted = preempted = 0
-            core.hold_admission = True
-            try:
-                if mode == "abort":
-                    aborted = core.abort_all()
-                elif mode == "wait":
-                    await core.drain()
-                await core.pause()
-                if mode == "keep":
-                    preempted = core.scheduler.preempt_all()
-                reports = await self.collective_rpc("sleep", (level,))
-            except BaseException:
-                if core.dead is None:
-                    core.resume()
-                raise
-            core.release_held()  # queued in the scheduler; the paused core runs nothing until wake
-            self._asleep = {"weights", "kv_cache"}
-            self._sleep_level = level
-            if level == 2:
-                self.weights_valid = False
-            report = _merge_reports(reports)
-            report.update(level=level, mode=mode, aborted=aborted, preempted=preempted,
-                          seconds=time.perf_counter() - start)  # fmt: skip
-            logger.info("asleep (level %d): freed %s in %.3fs", level, report["freed_bytes"], report["seconds"])
-            return report
-
-    async def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
-        """Restores "weights" and/or "kv_cache" (default both). Scheduling resumes only once every
-        tag is awake (and, after level 2, the weights were loaded again)."""
-        wanted = ["weights", "kv_cache"] if tags is None else list(tags)
-        unknown = sorted(set(wanted) - {"weights", "kv_cache"})
-        if unknown:
-            raise ValueError(f"unknown wake_up tags {unknown}; known tags: ['weights', 'kv_cache']")
-        async with self._control_lock:
-            core = self._require_core()
-            todo = [t for t in wanted if t in self._asleep]
-            if not todo:
-                return {"restored_bytes": {"weights": 0, "kv_cache": 0}, "seconds": 0.0,
-                        "notes": [f"already awake: {sorted(wanted)}"], "asleep": sorted(self._asleep)}  # fmt: skip
-            start = time.perf_counter()
-            report = _merge_reports(await self.collective_rpc("wake_up", (todo,)))
-            self._asleep.difference_update(todo)
-            report.update(seconds=time.perf_counter() - start, asleep=sorted(self._asleep))
-            if not self.weights_valid:
-                report.setdefault("notes", []).append("weights were discarded (level 2): call reload_weights()")
-            self._maybe_resume(core)
-            return report
-
-    async def is_sleeping(self) -> bool:
-        """True until every tag is awake."""
-        return bool(self._asleep)
-
-    async def reload_weights(self) -> dict[str, Any]:
-        """Loads the configured checkpoint into the model again, in place (e.g. after sleep level 2)."""
-        async with self._control_lock:
-            core = self._require_core()
-            if "weights" in self._asleep:
-                raise InvalidRequestError("the weights are asleep: wake_up(tags=['weights']) first")
-            was_paused = core.paused
-            await core.pause()
-            try:
-                report = _merge_reports(await self.collective_rpc("reload_weights"))
-            except BaseException:
-                if not was_paused:
-                    core.resume()
-                raise
-            self.weights_valid = True
-            core.weights_version += 1
-            self._maybe_resume(core)
-            return report
-
-    def _maybe_resume(self, core: EngineCore) -> None:
-        if not self._asleep and self.weights_valid:
-            core.resume()
-
     async def check_health(self, timeout: float = 30.0) -> None:
         """Raises EngineDeadError if the engine died, or the worker's error if a worker is unhealthy."""
         self._require_core()
@@ -332,25 +238,6 @@ class AsyncEngine:
             "weights_valid": self.weights_valid,
             "max_model_len": self.model_info.get("max_model_len"),
         }
-
-
-def _merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """One report from per-rank reports: byte counts add up, notes are kept once."""
-    merged: dict[str, Any] = {}
-    for report in reports:
-        for key, value in report.items():
-            if isinstance(value, dict):
-                bucket = merged.setdefault(key, {})
-                for k, v in value.items():
-                    bucket[k] = bucket.get(k, 0) + v
-            elif isinstance(value, list):
-                merged.setdefault(key, [])
-                merged[key] += [v for v in value if v not in merged[key]]
-            elif isinstance(value, int | float) and not isinstance(value, bool):
-                merged[key] = max(merged.get(key, 0), value)  # seconds: the slowest rank
-            else:
-                merged[key] = value
-    return merged
 
 
 def _with_model_path(config: EngineConfig) -> EngineConfig:

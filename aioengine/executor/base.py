@@ -44,5 +44,12 @@ class Executor(ABC):
         return await self.collective_rpc(execute_and_sample, (scheduler_output,), unique_reply_rank=0)
 
     @abstractmethod
+    async def run_aside(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """Runs a worker method on every rank OFF the step thread (e.g. staging weights while serving).
+
+        Only for methods that read the model and never write it; returns one result per rank.
+        """
+
+    @abstractmethod
     def shutdown(self) -> None:
         """Stops the workers; safe to call more than once."""

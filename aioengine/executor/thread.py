@@ -31,6 +31,8 @@ class ThreadExecutor(Executor):
             concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"aioengine-worker-{rank}")
             for rank in range(self.world_size)
         ]
+        self._aside = concurrent.futures.ThreadPoolExecutor(max_workers=self.world_size,
+                                                            thread_name_prefix="aioengine-aside")  # fmt: skip
         self.wrappers = [WorkerWrapper(rank) for rank in range(self.world_size)]
         self._closed = False
         # Build the workers on their own threads: device set-up is per thread on some back ends.
@@ -62,6 +64,12 @@ class ThreadExecutor(Executor):
             raise TimeoutError(f"collective_rpc {name!r} timed out after {timeout}s") from None
         return results[unique_reply_rank] if unique_reply_rank is not None else results
 
+    async def run_aside(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        if self._closed:
+            raise AIOEngineError("executor is shut down")
+        calls = [self._aside.submit(lambda w=w: getattr(w, method)(*args)) for w in self.wrappers]
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in calls)))
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -72,5 +80,5 @@ class ThreadExecutor(Executor):
                 except Exception:  # noqa: BLE001 - shutdown must complete even if a worker is broken
                     pass
         self._closed = True
-        for thread in self._threads:
+        for thread in [*self._threads, self._aside]:
             thread.shutdown(wait=False, cancel_futures=True)

@@ -16,6 +16,9 @@ from aioengine.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, bui
 
 logger = logging.getLogger(__name__)
 
+TensorSpec = tuple[str, tuple[int, ...], torch.dtype]
+"""(checkpoint name, shape, dtype): what is known of a tensor before its bytes are read."""
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -83,21 +86,47 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
+def _open_error(file: Path, exc: Exception) -> CheckpointError:
+    return CheckpointError(f"cannot read {file}: {exc} (truncated or not a safetensors file?)")
+
+
 def iter_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields ``(name, tensor)`` one tensor at a time, so peak extra memory is one tensor."""
     for file in files:
         try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as exc:  # SafetensorError derives from Exception only
+            raise _open_error(file, exc) from exc
+        with handle as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}  # fmt: skip
+
+
+def safetensors_specs(files: Iterable[Path]) -> list[TensorSpec]:
+    """Name, shape and dtype of every tensor, read from the headers only (no tensor data is read).
+
+    A truncated or corrupt file fails here: safetensors checks that the header covers the file.
+    """
+    specs: list[TensorSpec] = []
+    for file in files:
+        try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except (OSError, ValueError, RuntimeError) as exc:
-            if isinstance(exc, CheckpointError):
-                raise
-            raise CheckpointError(f"cannot read {file}: {exc}") from exc
-
-
-TensorSpec = tuple[str, tuple[int, ...], torch.dtype]
-"""(checkpoint name, shape, dtype): what is known of a tensor before its bytes are read."""
+                    view = f.get_slice(name)
+                    dtype = _ST_DTYPES.get(view.get_dtype())
+                    if dtype is None:
+                        raise CheckpointError(f"tensor {name!r} in {file} has unsupported dtype {view.get_dtype()}")
+                    specs.append((name, tuple(view.get_shape()), dtype))
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise _open_error(file, exc) from exc
+    return specs
 
 
 class WeightPlan:

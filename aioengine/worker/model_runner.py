@@ -17,11 +17,8 @@ from aioengine.messages import KVCacheConfig, ModelRunnerOutput, ScheduledReques
 from aioengine.model.attention import AttentionMetadata, PrefillChunk
 from aioengine.model.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
 from aioengine.model.loader import (
-    checkpoint_files,
-    iter_safetensors,
     load_hf_config,
     load_model,
-    load_weights,
     resolve_dtype,
     resolve_max_model_len,
 )
@@ -98,14 +95,6 @@ class ModelRunner:
         return CacheEngine.get_cache_block_size(
             info["num_layers"], self.block_size, info["num_kv_heads"], info["head_size"], self.cache_dtype()
         )
-
-    def reload_weights(self) -> int:
-        """Loads the configured checkpoint again, in place (addresses unchanged); returns tensors written."""
-        assert self.model is not None
-        written = load_weights(self.model, iter_safetensors(checkpoint_files(self.config.model.path)),
-                               strict=self.config.load.strict)  # fmt: skip
-        self.weights_ready = True
-        return written
 
     def release_kv_cache(self) -> int:
         """Frees the KV cache (and the graphs that point into it); returns the bytes it held."""

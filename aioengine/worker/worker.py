@@ -18,6 +18,7 @@ from aioengine.messages import KVCacheConfig, ModelRunnerOutput, SchedulerOutput
 from aioengine.worker.base import WorkerBase
 from aioengine.worker.model_runner import ModelRunner
 from aioengine.worker.sleep import TAGS, SleepBackend, create_sleep_backend, timed
+from aioengine.worker.weights import StagedWeights, WeightSource, apply_weights, stage_weights
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class Worker(WorkerBase):
         self.model_runner: ModelRunner | None = None
         self.profiler: torch.profiler.profile | None = None
         self.sleep_backend: SleepBackend | None = None
+        self._staged: StagedWeights | None = None
         self._shut_down = False
 
     # ---- lifecycle (seeds order) ---------------------------------------------------------------------
@@ -112,14 +114,38 @@ class Worker(WorkerBase):
         """Tags still asleep (empty when fully awake)."""
         return sorted(self._backend().asleep)
 
-    def reload_weights(self) -> dict[str, Any]:
-        """Loads the configured checkpoint into the (awake) parameters, in place."""
-        backend = self._backend()
-        if "weights" in backend.asleep:
-            raise AIOEngineError("wake the weights first (wake_up(tags=['weights'])), then reload them")
+    # ---- hot weight swap --------------------------------------------------------------------------------
+    def stage_weights(self, source: WeightSource, partial: bool = False) -> dict[str, Any]:
+        """Reads and checks ``source`` into host memory for the next ``update_weights(None)``.
+
+        Runs off the step thread (Executor.run_aside) while the engine serves: it only reads the model.
+        """
+        model = self._runner().model
+        assert model is not None
         start = time.perf_counter()
-        written = self._runner().reload_weights()
-        return {"tensors": written, "seconds": time.perf_counter() - start}
+        self._staged = stage_weights(model, source, strict=self.config.load.strict, partial=partial)
+        return {"tensors": len(self._staged.tensors), "bytes": self._staged.nbytes,
+                "seconds": time.perf_counter() - start}  # fmt: skip
+
+    def update_weights(self, source: WeightSource | None, partial: bool = False) -> dict[str, Any]:
+        """Checks the whole source, then writes it in place (``None``: what ``stage_weights`` read)."""
+        if "weights" in self._backend().asleep:
+            raise AIOEngineError("wake the weights first (wake_up(tags=['weights'])), then update them")
+        runner = self._runner()
+        assert runner.model is not None and self.device is not None
+        if source is None:
+            if self._staged is None:
+                raise AIOEngineError("update_weights(None) without staged weights; call stage_weights first")
+            source, self._staged = self._staged, None
+        start = time.perf_counter()
+        report = apply_weights(runner.model, source, strict=self.config.load.strict, partial=partial,
+                               rank=self.rank, world_size=self.config.parallel.tensor_parallel_size)  # fmt: skip
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if not partial:
+            runner.weights_ready = True
+        report["seconds"] = time.perf_counter() - start
+        return report
 
     def compile_or_warm_up_model(self) -> float:
         """Warm-up forward, then decode graph capture (CUDA); returns seconds, which are logged."""

@@ -1,0 +1,103 @@
+"""Hot weight swap on the worker: check the whole source first, then write in place tensor by tensor.
+
+A source is a safetensors file or directory, a ``{name: tensor}`` mapping, an iterable of
+``(name, tensor)`` pairs, or :class:`StagedWeights` (already read and checked). Names are the
+checkpoint's (HF) names; fused q/k/v and gate/up are mapped by the model. Nothing is written until
+every tensor has passed, so a bad source changes nothing. Writes use ``copy_`` into the existing
+parameters: addresses (and captured CUDA graphs) stay valid, and peak extra memory is one tensor
+when streaming from files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from aioengine.errors import CheckpointError
+from aioengine.model.llama import LlamaForCausalLM, WeightTarget
+from aioengine.model.loader import TensorSpec, WeightPlan, checkpoint_files, iter_safetensors, safetensors_specs
+
+
+@dataclass(slots=True)
+class StagedWeights:
+    """A source read into host memory and checked against the model (``stage=True``)."""
+
+    tensors: list[tuple[str, torch.Tensor]]
+    nbytes: int
+
+
+WeightSource = Union[str, os.PathLike, Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]], StagedWeights]
+
+
+def shard_for_rank(name: str, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's part of a full checkpoint tensor: THE place tensor parallelism fills in."""
+    if world_size == 1:
+        return tensor
+    raise NotImplementedError("tensor-parallel weight sharding is not implemented yet")
+
+
+def describe_source(source: WeightSource) -> tuple[list[TensorSpec], Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+    """The source's tensor specs (without reading data, for files) and a way to stream its tensors."""
+    if isinstance(source, StagedWeights):
+        pairs = source.tensors
+    elif isinstance(source, str | os.PathLike):
+        path = Path(source)
+        if not path.exists():
+            raise CheckpointError(f"weight source {str(path)!r} does not exist")
+        files = checkpoint_files(path) if path.is_dir() else [path]
+        return safetensors_specs(files), lambda: iter_safetensors(files)
+    elif isinstance(source, Mapping):
+        pairs = list(source.items())
+    else:
+        pairs = list(source)
+    for name, tensor in pairs:
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+    return [(n, tuple(t.shape), t.dtype) for n, t in pairs], lambda: iter(pairs)
+
+
+def check_source(model: LlamaForCausalLM, specs: list[TensorSpec], *, strict: bool,
+                 partial: bool) -> dict[str, WeightTarget | None]:  # fmt: skip
+    """Checks every tensor (name, shape, dtype, coverage) before anything is written."""
+    plan = WeightPlan(model, strict=strict, partial=partial)
+    seen: set[str] = set()
+    targets = {}
+    for name, shape, dtype in specs:
+        if name in seen:
+            raise CheckpointError(f"tensor {name!r} appears twice in the weight source")
+        seen.add(name)
+        targets[name] = plan.check(name, shape, dtype)
+    plan.finish()
+    return targets
+
+
+def stage_weights(model: LlamaForCausalLM, source: WeightSource, *, strict: bool = True,
+                  partial: bool = False) -> StagedWeights:  # fmt: skip
+    """Reads and checks the whole source into host memory; safe to run beside serving (reads only)."""
+    specs, stream = describe_source(source)
+    check_source(model, specs, strict=strict, partial=partial)
+    tensors = [(name, tensor.to("cpu")) for name, tensor in stream()]
+    return StagedWeights(tensors, sum(t.numel() * t.element_size() for _, t in tensors))
+
+
+def apply_weights(model: LlamaForCausalLM, source: WeightSource, *, strict: bool = True, partial: bool = False,
+                  rank: int = 0, world_size: int = 1) -> dict[str, Any]:  # fmt: skip
+    """Checks everything, then writes in place. Returns tensors and bytes written."""
+    specs, stream = describe_source(source)
+    targets = check_source(model, specs, strict=strict, partial=partial)
+    plan = WeightPlan(model, strict=strict, partial=True)
+    written = nbytes = 0
+    for name, tensor in stream():
+        target = targets.get(name)
+        if target is None:
+            continue
+        shard = shard_for_rank(name, tensor, rank, world_size)
+        plan.destination(target).copy_(shard)
+        written += 1
+        nbytes += shard.numel() * shard.element_size()
+    return {"tensors": written, "bytes": nbytes}
