@@ -13,9 +13,8 @@ from typing import Any
 from aioengine.engine.outputs import IncrementalDetokenizer, OutputCollector, RequestOutput
 from aioengine.errors import EngineDeadError
 from aioengine.executor.base import Executor
-from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.scheduler.request import Request, RequestStatus
-from aioengine.scheduler.scheduler import Scheduler
+from aioengine.scheduler.scheduler import RequestUpdate, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +37,7 @@ class EngineCore:
         self.hold_admission = False
         """New requests wait in ``held`` instead of the scheduler (e.g. while draining before a sleep)."""
         self.held: list[Request] = []
+        self._pending: list[RequestUpdate] = []
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -115,6 +115,7 @@ class EngineCore:
         try:
             while True:
                 if self.paused or not self.scheduler.has_unfinished_requests():
+                    self._flush()
                     self._wake.clear()
                     await self._wake.wait()
                     continue
@@ -132,23 +133,32 @@ class EngineCore:
     async def _step(self) -> None:
         sched = self.scheduler.schedule()
         if sched.is_empty:  # nothing fits this instant; wait for a change instead of spinning
+            self._flush()
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), 0.01)
             except TimeoutError:
                 pass
             return
-        output = await self.executor.execute_model(sched)
-        self._process(sched, output)
-
-    def _process(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        forward = asyncio.ensure_future(self.executor.execute_model(sched))
+        # Detokenize and publish the previous step while the worker computes this one. Stop strings
+        # are found here, so such a request may run one step more; its extra token is dropped.
+        self._flush()
+        output = await forward
         self.num_steps += 1
-        for update in self.scheduler.update_from_output(sched, output):
+        self._pending = self.scheduler.update_from_output(sched, output)
+
+    def _flush(self) -> None:
+        """Publishes the updates of the last step (detokenizing, applying stop strings)."""
+        updates, self._pending = self._pending, []
+        for update in updates:
             request = update.request
             self.num_generated_tokens += len(update.new_token_ids)
             detok = self.detokenizers.get(request.req_id)
             if detok is None:
                 continue
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                continue  # aborted after this update was made; its stream already ended
             delta, hit = detok.add(update.new_token_ids, update.finished)
             if hit is not None:
                 request.stop_reason = hit
@@ -192,6 +202,7 @@ class EngineCore:
         self.collectors.clear()
         self.detokenizers.clear()
         self.held.clear()
+        self._pending = []
         self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
         self._idle.set()
 
