@@ -1,0 +1,372 @@
+"""Specification of sleep / wake through the public API: AsyncEngine.sleep, wake_up, is_sleeping,
+reload_weights.
+
+Expected outputs come from a run of the same engine before it slept (or from an uninterrupted run
+of the same prompts); expected byte counts come from the checkpoint's own config and tensors, never
+from the engine. Memory is read from the process (/proc/self/statm): the thread executor runs the
+worker in this process, so what the worker frees shows in our resident set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import re
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors import safe_open
+
+from aioengine import AsyncEngine, RequestOutput, SamplingParams
+from aioengine.errors import EngineDeadError
+from aioengine.testing import build_checkpoint
+
+TIMEOUT = 60.0
+"""Seconds any single await on the engine may take: a hung stream fails its test, not the run."""
+QUIET = 0.3
+"""Seconds a request that must not run is watched for output (it may not progress at all)."""
+PROMPTS = ["The quick brown fox", "Once upon a time", "Sleep and wake", "0123456789", "hello hello hello"]
+MEMORY_BLOCKS = 8192
+"""KV blocks of the level 1 memory test: 256 MiB with the ``big_ckpt`` shape, so the drop dominates noise."""
+LEVEL_2_BLOCKS = 2048
+"""64 MiB: about the weights' size, so neither the KV cache nor the weights alone makes 80% of the sum."""
+
+
+def greedy(max_tokens: int = 12) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def final(
+    engine: AsyncEngine, prompt: Any, params: SamplingParams, sink: list[RequestOutput] | None = None
+) -> RequestOutput:
+    """Streams one request to its end; every output is appended to ``sink`` as it arrives."""
+    out = None
+    async with asyncio.timeout(TIMEOUT):
+        async for out in engine.generate(prompt, params):
+            if sink is not None:
+                sink.append(out)
+    assert out is not None and out.finished
+    return out
+
+
+async def token_ids(
+    engine: AsyncEngine, prompts: list[str], params: SamplingParams | list[SamplingParams]
+) -> list[list[int]]:
+    """Runs ``prompts`` concurrently; returns each one's output token ids."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    outs = await asyncio.gather(*(final(engine, p, sp) for p, sp in zip(prompts, each, strict=True)))
+    return [list(o.token_ids) for o in outs]
+
+
+async def outputs_arrived(sink: list[RequestOutput], count: int = 1) -> None:
+    """Returns once ``sink`` holds ``count`` outputs (polled gently: the worker thread needs the GIL)."""
+    async with asyncio.timeout(TIMEOUT):
+        while len(sink) < count:
+            await asyncio.sleep(0.001)
+
+
+async def assert_no_progress(engine: AsyncEngine, sink: list[RequestOutput]) -> None:
+    """Watches for ``QUIET`` seconds: neither an output nor an engine step may happen."""
+    steps = engine.stats()["num_steps"]
+    await asyncio.sleep(QUIET)
+    assert sink == [], f"a request ran while the engine must not step: {sink[0]}"
+    assert engine.stats()["num_steps"] == steps
+
+
+def rss_bytes() -> int:
+    """Resident bytes of this process, after collecting garbage: an engine of an earlier test that
+    is collected during a sleep would otherwise count as memory the sleep freed."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # heap pages freed earlier go back to the OS now
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_cache_bytes(path: Path, num_blocks: int, block_size: int = 16) -> int:
+    """num_layers * 2 (K, V) * block_size * kv_heads * head_dim * 4 (float32) * num_blocks, from config.json."""
+    cfg = json.loads((path / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * block_size * cfg["num_key_value_heads"] * head_dim * 4 * num_blocks
+
+
+def weight_bytes(path: Path) -> int:
+    """Bytes of every tensor in the checkpoint as float32 (the engine's dtype in these tests)."""
+    total = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                numel = 1
+                for dim in f.get_slice(name).get_shape():
+                    numel *= dim
+                total += numel * 4
+    return total
+
+
+@pytest.fixture(scope="module")
+def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~65 MB of embeddings + lm_head (vocab 32000 x hidden 256), 32 KiB per KV block."""
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "big", "llama", hidden_size=256, vocab_size=32000)
+
+
+@pytest.fixture
+async def engine(llama_ckpt: Path, make_engine: Callable[..., AsyncEngine]) -> AsyncIterator[AsyncEngine]:
+    async with make_engine(llama_ckpt) as engine:
+        yield engine
+
+
+# ---- outputs survive a sleep ---------------------------------------------------------------------------
+async def test_level_1_greedy_outputs_after_wake_equal_those_before_sleep(engine: AsyncEngine) -> None:
+    before = await token_ids(engine, PROMPTS, greedy())
+    await engine.sleep(level=1)
+    await engine.wake_up()
+    assert await token_ids(engine, PROMPTS, greedy()) == before
+
+
+async def test_level_2_greedy_outputs_after_wake_and_reload_equal_those_before_sleep(engine: AsyncEngine) -> None:
+    before = await token_ids(engine, PROMPTS, greedy())
+    await engine.sleep(level=2)
+    await engine.wake_up()
+    await engine.reload_weights()
+    assert await token_ids(engine, PROMPTS, greedy()) == before
+
+
+# ---- memory: freed for real, and reported exactly --------------------------------------------------------
+async def test_level_1_resident_memory_drops_by_the_kv_cache_and_rises_on_wake(
+    big_ckpt: Path, make_engine: Callable[..., AsyncEngine]
+) -> None:
+    kv = kv_cache_bytes(big_ckpt, MEMORY_BLOCKS)
+    async with make_engine(big_ckpt, cache={"num_blocks": MEMORY_BLOCKS}) as engine:
+        awake = rss_bytes()
+        report = await engine.sleep(level=1)
+        asleep = rss_bytes()
+        await engine.wake_up()
+        woken = rss_bytes()
+    assert report["freed_bytes"]["kv_cache"] == kv
+    assert awake - asleep >= 0.8 * kv, f"resident memory dropped {awake - asleep} bytes; the KV cache is {kv}"
+    assert woken - asleep >= 0.8 * kv, f"resident memory rose {woken - asleep} bytes on wake; the KV cache is {kv}"
+
+
+async def test_level_1_on_cpu_keeps_the_weights_in_host_memory_and_says_so(
+    llama_ckpt: Path, make_engine: Callable[..., AsyncEngine]
+) -> None:
+    async with make_engine(llama_ckpt) as engine:
+        report = await engine.sleep(level=1)
+    assert report["freed_bytes"] == {"weights": 0, "kv_cache": kv_cache_bytes(llama_ckpt, 512)}
+    assert any("host memory" in note for note in report["notes"]), report["notes"]
+
+
+async def test_level_2_resident_memory_drops_by_kv_cache_and_weights_and_rises_on_wake_and_reload(
+    big_ckpt: Path, make_engine: Callable[..., AsyncEngine]
+) -> None:
+    kv, weights = kv_cache_bytes(big_ckpt, LEVEL_2_BLOCKS), weight_bytes(big_ckpt)
+    async with make_engine(big_ckpt, cache={"num_blocks": LEVEL_2_BLOCKS}) as engine:
+        awake = rss_bytes()
+        report = await engine.sleep(level=2)
+        asleep = rss_bytes()
+        await engine.wake_up()
+        await engine.reload_weights()
+        reloaded = rss_bytes()
+    assert report["freed_bytes"] == {"weights": weights, "kv_cache": kv}
+    assert awake - asleep >= 0.8 * (kv + weights), (
+        f"resident memory dropped {awake - asleep} bytes; KV cache {kv} + weights {weights}"
+    )
+    assert reloaded - asleep >= 0.8 * (kv + weights), (
+        f"resident memory rose {reloaded - asleep} bytes on wake + reload; KV cache {kv} + weights {weights}"
+    )
+
+
+# ---- staged wake ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("order", [["weights", "kv_cache"], ["kv_cache", "weights"]], ids="-then-".join)
+async def test_a_half_awake_engine_runs_nothing_until_the_last_tag_wakes(engine: AsyncEngine, order: list[str]) -> None:
+    expected = await token_ids(engine, PROMPTS[:1], greedy())
+    await engine.sleep(level=1)
+    await engine.wake_up(tags=[order[0]])
+    assert await engine.is_sleeping()
+    sink: list[RequestOutput] = []
+    task = asyncio.create_task(final(engine, PROMPTS[0], greedy(), sink))
+    await assert_no_progress(engine, sink)
+    await engine.wake_up(tags=[order[1]])
+    assert not await engine.is_sleeping()
+    assert list((await task).token_ids) == expected[0]
+
+
+async def test_wake_up_rejects_an_unknown_tag_by_name_and_changes_nothing(engine: AsyncEngine) -> None:
+    expected = await token_ids(engine, PROMPTS[:1], greedy())
+    await engine.sleep(level=1)
+    with pytest.raises(ValueError, match="bogus"):
+        await engine.wake_up(tags=["weights", "bogus"])
+    assert engine.stats()["sleeping"] == ["kv_cache", "weights"]
+    await engine.wake_up()
+    assert await token_ids(engine, PROMPTS[:1], greedy()) == expected
+
+
+async def test_after_level_2_a_woken_engine_refuses_to_run_until_weights_are_reloaded(engine: AsyncEngine) -> None:
+    expected = await token_ids(engine, PROMPTS[:1], greedy())
+    await engine.sleep(level=2)
+    await engine.wake_up()
+    assert not await engine.is_sleeping()
+    assert engine.stats()["weights_valid"] is False
+    assert await engine.collective_rpc(lambda worker: worker.model_runner.weights_ready) == [False]
+    sink: list[RequestOutput] = []
+    task = asyncio.create_task(final(engine, PROMPTS[0], greedy(), sink))
+    await assert_no_progress(engine, sink)
+    await engine.reload_weights()
+    assert engine.stats()["weights_valid"] is True
+    assert list((await task).token_ids) == expected[0]
+
+
+# ---- requests in flight: keep / abort / wait -------------------------------------------------------------
+KEEP_PROMPTS = [f"request {i}: the weather today" for i in range(20)]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 20,
+        [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=40, ignore_eos=True) for i in range(20)],
+    ],
+    ids=["greedy", "seeded"],
+)
+async def test_keep_mode_requests_finish_with_the_tokens_of_an_uninterrupted_run(
+    engine: AsyncEngine, params: list[SamplingParams]
+) -> None:
+    uninterrupted = await token_ids(engine, KEEP_PROMPTS, params)
+    sink: list[RequestOutput] = []
+    tasks = [asyncio.create_task(final(engine, p, sp, sink)) for p, sp in zip(KEEP_PROMPTS, params, strict=True)]
+    await outputs_arrived(sink, 5)  # every request is mid-generation
+    report = await engine.sleep(level=1, mode="keep")
+    assert report["preempted"] > 0
+    assert not any(task.done() for task in tasks)
+    await engine.wake_up()
+    outs = await asyncio.gather(*tasks)
+    assert [list(o.token_ids) for o in outs] == uninterrupted
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+async def test_abort_mode_ends_requests_in_flight_with_finish_reason_abort(engine: AsyncEngine) -> None:
+    expected = await token_ids(engine, PROMPTS, greedy())
+    sink: list[RequestOutput] = []
+    tasks = [asyncio.create_task(final(engine, p, greedy(400), sink)) for p in PROMPTS]
+    await outputs_arrived(sink)
+    report = await engine.sleep(level=1, mode="abort")
+    outs = await asyncio.gather(*tasks)
+    assert report["aborted"] == len(PROMPTS)
+    assert [o.finish_reason for o in outs] == ["abort"] * len(PROMPTS)
+    stats = engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    await engine.wake_up()
+    assert await token_ids(engine, PROMPTS, greedy()) == expected
+
+
+async def test_wait_mode_finishes_requests_in_flight_before_sleeping(engine: AsyncEngine) -> None:
+    sink: list[RequestOutput] = []
+    tasks = [asyncio.create_task(final(engine, p, greedy(40), sink)) for p in PROMPTS]
+    await outputs_arrived(sink)
+    await engine.sleep(level=1, mode="wait")
+    assert all(task.done() for task in tasks)
+    assert [task.result().finish_reason for task in tasks] == ["length"] * len(PROMPTS)
+    assert all(len(task.result().token_ids) == 40 for task in tasks)
+
+
+async def test_a_request_submitted_during_the_wait_drain_completes_after_wake(engine: AsyncEngine) -> None:
+    expected = await token_ids(engine, PROMPTS[:1], greedy())
+    first: list[RequestOutput] = []
+    in_flight = [asyncio.create_task(final(engine, p, greedy(40), first)) for p in PROMPTS]
+    await outputs_arrived(first)
+    sleeping = asyncio.create_task(engine.sleep(level=1, mode="wait"))
+    await asyncio.sleep(0)  # the sleep starts draining
+    assert not sleeping.done() and not all(task.done() for task in in_flight), "the drain was already over"
+    sink: list[RequestOutput] = []
+    late = asyncio.create_task(final(engine, PROMPTS[0], greedy(), sink))
+    async with asyncio.timeout(TIMEOUT):
+        await sleeping
+    assert all(task.done() for task in in_flight)
+    await assert_no_progress(engine, sink)
+    await engine.wake_up()
+    assert list((await late).token_ids) == expected[0]
+
+
+async def test_requests_submitted_while_asleep_complete_after_wake(engine: AsyncEngine) -> None:
+    expected = await token_ids(engine, PROMPTS, greedy())
+    await engine.sleep(level=1)
+    sink: list[RequestOutput] = []
+    tasks = [asyncio.create_task(final(engine, p, greedy(), sink)) for p in PROMPTS]
+    await assert_no_progress(engine, sink)
+    await engine.wake_up()
+    assert [list(o.token_ids) for o in await asyncio.gather(*tasks)] == expected
+
+
+# ---- idempotence and safety ------------------------------------------------------------------------------
+async def test_sleep_while_asleep_is_a_no_op_that_says_so(engine: AsyncEngine) -> None:
+    await engine.sleep(level=1)
+    report = await engine.sleep(level=2)
+    assert report["freed_bytes"] == {"weights": 0, "kv_cache": 0}
+    assert any("already asleep" in note for note in report["notes"]), report["notes"]
+    assert engine.stats()["weights_valid"] is True  # still the level 1 sleep: nothing was discarded
+    await engine.wake_up()
+    assert await token_ids(engine, PROMPTS[:1], greedy())
+
+
+async def test_wake_up_while_awake_is_a_no_op_that_says_so(engine: AsyncEngine) -> None:
+    expected = await token_ids(engine, PROMPTS[:1], greedy())
+    report = await engine.wake_up()
+    assert report["restored_bytes"] == {"weights": 0, "kv_cache": 0}
+    assert any("already awake" in note for note in report["notes"]), report["notes"]
+    assert await token_ids(engine, PROMPTS[:1], greedy()) == expected
+
+
+async def test_shutdown_while_asleep_completes(llama_ckpt: Path, make_engine: Callable[..., AsyncEngine]) -> None:
+    engine = make_engine(llama_ckpt)
+    await engine.start()
+    await engine.sleep(level=2)
+    await asyncio.wait_for(engine.shutdown(), TIMEOUT)
+    assert engine.stats()["dead"]
+
+
+async def test_shutdown_while_asleep_ends_the_requests_waiting_for_wake(
+    llama_ckpt: Path, make_engine: Callable[..., AsyncEngine]
+) -> None:
+    engine = make_engine(llama_ckpt)
+    await engine.start()
+    await engine.sleep(level=1)
+    waiting = asyncio.create_task(final(engine, PROMPTS[0], greedy()))
+    await asyncio.sleep(0)
+    await asyncio.wait_for(engine.shutdown(), TIMEOUT)
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(waiting, TIMEOUT)
+
+
+async def test_two_engines_in_one_process_sleep_and_wake_independently(
+    llama_ckpt: Path, make_engine: Callable[..., AsyncEngine]
+) -> None:
+    async with make_engine(llama_ckpt) as a, make_engine(llama_ckpt) as b:
+        expected = await token_ids(a, PROMPTS, greedy())
+        await a.sleep(level=1)
+        assert await token_ids(b, PROMPTS, greedy()) == expected  # b serves while a sleeps
+        await b.sleep(level=2)
+        await a.wake_up()
+        assert await b.is_sleeping() and not await a.is_sleeping()
+        assert await token_ids(a, PROMPTS, greedy()) == expected  # a serves while b sleeps
+        await b.wake_up()
+        await b.reload_weights()
+        assert await token_ids(b, PROMPTS, greedy()) == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"level": 0}, {"level": 3}, {"level": "1"}, {"mode": "later"}, {"mode": "ABORT"}], ids=str
+)
+async def test_invalid_sleep_level_or_mode_raises_value_error_and_the_engine_keeps_serving(
+    engine: AsyncEngine, kwargs: dict[str, Any]
+) -> None:
+    expected = await token_ids(engine, PROMPTS[:1], greedy())
+    with pytest.raises(ValueError, match=re.escape(repr(next(iter(kwargs.values()))))):
+        await engine.sleep(**kwargs)
+    assert not await engine.is_sleeping()
+    assert await token_ids(engine, PROMPTS[:1], greedy()) == expected
