@@ -45,8 +45,13 @@ async def run_aioengine(path: Path, reqs: list[tuple[list[int], int]]) -> float:
             return count
 
         start = time.perf_counter()
+        worker0 = engine.stats()["worker_seconds"]
         tokens = sum(await asyncio.gather(*(one(p, n) for p, n in reqs)))
-        return tokens / (time.perf_counter() - start)
+        wall = time.perf_counter() - start
+        busy = engine.stats()["worker_seconds"] - worker0
+        print(f"aioengine: {engine.stats()['num_steps']} steps, worker busy {busy:.2f}s of {wall:.2f}s wall "
+              f"(efficiency {busy / wall:.2f})")
+        return tokens / wall
 
 
 def run_hf(path: Path, reqs: list[tuple[list[int], int]], batch_size: int) -> float:
@@ -81,7 +86,7 @@ def main() -> None:
         reqs = workload(args.requests, int(spec["vocab_size"]))
         ours = asyncio.run(run_aioengine(path, reqs))
         rows = [("aioengine", ours, 1.0)]
-        for bs in (int(b) for b in args.hf_batch_sizes.split(",")):
+        for bs in (int(b) for b in args.hf_batch_sizes.split(",") if b):
             hf = run_hf(path, reqs, bs)
             rows.append((f"HF generate, static batch {bs}", hf, ours / hf))
     print(f"\n{args.requests} requests, model {args.model}, float32 CPU, {torch.get_num_threads()} threads\n")

@@ -11,40 +11,16 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from conftest import engine_config
 
 from aioengine import AsyncEngine, RequestOutput, SamplingParams
+from tests.conftest import engine_config
+from tests.helpers import final, wait_until_idle
 
 NUM_REQUESTS = 200
 TICK = 0.005
 LONG_FORWARD = 10 * TICK
 TIMEOUT = 120.0
 """Seconds the whole storm may take before the test fails instead of hanging."""
-
-
-async def wait_until_idle(engine: AsyncEngine, timeout: float = 5.0) -> dict[str, Any]:
-    """Polls stats until no request holds a block or a queue slot; fails after ``timeout``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        stats = engine.stats()
-        if (
-            stats["kv_blocks_free"] == stats["kv_blocks_total"]
-            and stats["requests_running"] == 0
-            and stats["requests_waiting"] == 0
-        ):
-            return stats
-        if loop.time() > deadline:
-            raise AssertionError(f"engine still holds a request {timeout}s later: {stats}")
-        await asyncio.sleep(0.01)
-
-
-async def final(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> RequestOutput:
-    out = None
-    async for out in engine.generate(prompt, params):
-        pass
-    assert out is not None
-    return out
 
 
 @dataclass

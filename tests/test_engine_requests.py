@@ -21,43 +21,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from aioengine import AsyncEngine, RequestOutput, SamplingParams
 from aioengine.errors import InvalidRequestError, RequestTooLargeError
+from tests.helpers import TIMEOUT, final, stream, wait_until_idle
 
 PROMPT = "The quick brown fox"
 SEEDED = {"temperature": 0.8, "top_p": 0.9, "ignore_eos": True}
 LONG = 2000
 """max_tokens of a request that must be ended early: it could not finish by itself within a test."""
-TIMEOUT = 60.0
-"""Seconds any single await on the engine may take: a hung stream fails its test, not the run."""
 
 
 def greedy(max_tokens: int, **kwargs: Any) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
 
 
-async def stream(engine: AsyncEngine, prompt: Any, params: Any, request_id: str | None = None) -> list[RequestOutput]:
-    async with asyncio.timeout(TIMEOUT):
-        return [out async for out in engine.generate(prompt, params, request_id=request_id)]
-
-
-async def final(engine: AsyncEngine, prompt: Any, params: Any, request_id: str | None = None) -> RequestOutput:
-    return (await stream(engine, prompt, params, request_id))[-1]
-
-
-async def wait_until_idle(engine: AsyncEngine, timeout: float = 5.0) -> dict[str, Any]:
-    """Polls stats until no request holds a block or a queue slot; fails after ``timeout``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        stats = engine.stats()
-        if (
-            stats["kv_blocks_free"] == stats["kv_blocks_total"]
-            and stats["requests_running"] == 0
-            and stats["requests_waiting"] == 0
-        ):
-            return stats
-        if loop.time() > deadline:
-            raise AssertionError(f"engine still holds a request {timeout}s later: {stats}")
-        await asyncio.sleep(0.01)
 
 
 def decoded(tokenizer: Any, token_ids: list[int]) -> str:

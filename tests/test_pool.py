@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from aioengine import AsyncEngine, EnginePool, SamplingParams
+from aioengine import AsyncEngine, EnginePool, RequestOutput, SamplingParams
 from aioengine.errors import InvalidRequestError
 from tests.conftest import engine_config
+from tests.helpers import last_output
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400], [42, 43], [9] * 30, [11, 12, 13, 14, 15]]
 
 
-async def _final(stream) -> list[int]:  # type: ignore[no-untyped-def]
-    last = None
-    async for out in stream:
-        last = out
-    assert last is not None
-    return last.token_ids
+async def _final(stream: AsyncIterator[RequestOutput]) -> list[int]:
+    return (await last_output(stream)).token_ids
 
 
 async def _reference(path: Path) -> list[list[int]]:

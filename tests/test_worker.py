@@ -14,17 +14,14 @@ from aioengine.errors import AIOEngineError, EngineDeadError
 from aioengine.worker.cpu_worker import CPUWorker
 from aioengine.worker.graphs import PaddedDecodeRunner, default_capture_sizes
 from tests.conftest import engine_config
+from tests.helpers import final
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 EXT = "tests.worker_extensions.EchoExtension"
 
 
 async def _collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
-    last = None
-    async for out in engine.generate(prompt, params):
-        last = out
-    assert last is not None
-    return last.token_ids
+    return (await final(engine, prompt, params)).token_ids
 
 
 # ---- collective_rpc --------------------------------------------------------------------------------

@@ -233,6 +233,7 @@ class AsyncEngine(SleepAndWeightsMixin):
             "num_preemptions": scheduler.num_preemptions,
             "num_steps": core.num_steps,
             "num_generated_tokens": core.num_generated_tokens,
+            "worker_seconds": core.worker_seconds,
             "weights_version": core.weights_version,
             "sleeping": sorted(self._asleep),
             "weights_valid": self.weights_valid,

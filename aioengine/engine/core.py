@@ -31,6 +31,8 @@ class EngineCore:
         self.weights_version = 0
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.worker_seconds = 0.0
+        """Time rank 0 spent in forward + sampling; wall time minus this is the engine's overhead."""
         self.dead: BaseException | None = None
         self.paused = False
         """No steps run while paused (asleep, or swapping weights); requests still queue."""
@@ -146,6 +148,7 @@ class EngineCore:
         self._flush()
         output = await forward
         self.num_steps += 1
+        self.worker_seconds += output.forward_seconds
         self._pending = self.scheduler.update_from_output(sched, output)
 
     def _flush(self) -> None:

@@ -1,0 +1,48 @@
+"""Small helpers shared by the engine tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aioengine import AsyncEngine, RequestOutput
+
+TIMEOUT = 60.0
+"""Seconds any single await on the engine may take: a hung stream fails its test, not the run."""
+
+
+async def last_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """Consumes a generate() stream (engine or pool) and returns its final output."""
+    out = None
+    async with asyncio.timeout(TIMEOUT):
+        async for out in stream:
+            pass
+    assert out is not None, "the stream yielded nothing"
+    return out
+
+
+async def stream(engine: AsyncEngine, prompt: Any, params: Any, request_id: str | None = None) -> list[RequestOutput]:
+    async with asyncio.timeout(TIMEOUT):
+        return [out async for out in engine.generate(prompt, params, request_id=request_id)]
+
+
+async def final(engine: AsyncEngine, prompt: Any, params: Any, request_id: str | None = None) -> RequestOutput:
+    return await last_output(engine.generate(prompt, params, request_id=request_id))
+
+
+async def wait_until_idle(engine: AsyncEngine, timeout: float = 5.0) -> dict[str, Any]:
+    """Polls stats until no request holds a block or a queue slot; fails after ``timeout``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        stats = engine.stats()
+        if (
+            stats["kv_blocks_free"] == stats["kv_blocks_total"]
+            and stats["requests_running"] == 0
+            and stats["requests_waiting"] == 0
+        ):
+            return stats
+        if loop.time() > deadline:
+            raise AssertionError(f"engine still holds a request {timeout}s later: {stats}")
+        await asyncio.sleep(0.01)
