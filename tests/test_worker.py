@@ -191,3 +191,19 @@ async def test_profile_writes_a_trace(make_engine, llama_ckpt: Path, tmp_path: P
         await _collect(engine, [5, 6, 7])
         assert await engine.stop_profile() == [str(tmp_path)]
     assert any(p.name.endswith(".json") or ".pt.trace" in p.name for p in tmp_path.iterdir())
+
+
+# ---- KV cache sizing on CPU ------------------------------------------------------------------------
+async def test_cpu_kv_cache_takes_the_configured_bytes(make_engine, llama_ckpt: Path) -> None:
+    budget = 3 << 20
+    async with make_engine(llama_ckpt, cache={"num_blocks": None, "kv_cache_memory_bytes": budget}) as engine:
+        block_bytes = await engine.collective_rpc("get_cache_block_size_bytes", unique_reply_rank=0)
+        assert engine.num_blocks == budget // block_bytes
+        assert engine.stats()["kv_blocks_total"] == engine.num_blocks - 1  # block 0 is the null block
+
+
+async def test_cpu_kv_cache_larger_than_free_memory_fails_at_start_naming_the_option(make_engine, llama_ckpt: Path) -> None:
+    engine = make_engine(llama_ckpt, cache={"num_blocks": None, "kv_cache_memory_bytes": 1 << 50})
+    with pytest.raises(AIOEngineError, match="kv_cache_memory_bytes"):
+        await engine.start()
+    await engine.shutdown()
