@@ -370,3 +370,20 @@ async def test_invalid_sleep_level_or_mode_raises_value_error_and_the_engine_kee
         await engine.sleep(**kwargs)
     assert not await engine.is_sleeping()
     assert await token_ids(engine, PROMPTS[:1], greedy()) == expected
+
+
+async def test_sleep_wait_on_an_engine_paused_for_missing_weights_keeps_queued_requests(make_engine, llama_ckpt) -> None:
+    # level 2, full wake, no reload: the core is paused; a queued request can never drain.
+    async with make_engine(llama_ckpt) as engine:
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        expected = (await final(engine, [5, 6, 7], params)).token_ids
+        await engine.sleep(level=2)
+        await engine.wake_up()
+        queued = asyncio.create_task(final(engine, [5, 6, 7], params))
+        await asyncio.sleep(0.05)
+        report = await asyncio.wait_for(engine.sleep(level=1, mode="wait"), timeout=30)
+        assert any("queued" in note for note in report["notes"])
+        assert not queued.done()
+        await engine.wake_up()
+        await engine.reload_weights()
+        assert (await asyncio.wait_for(queued, timeout=30)).token_ids == expected

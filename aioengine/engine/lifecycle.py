@@ -73,10 +73,16 @@ class SleepAndWeightsMixin:
                         "seconds": 0.0, "notes": [f"already asleep (level {self._sleep_level}); nothing done"]}  # fmt: skip
             start = time.perf_counter()
             aborted = preempted = 0
+            notes = []
+            was_paused = core.paused
             core.hold_admission = True
             try:
                 if mode == "abort":
                     aborted = core.abort_all()
+                elif mode == "wait" and was_paused:
+                    # A paused core (weights discarded and not reloaded yet) runs no step, so a drain would
+                    # never end. Its queued requests have not started: they stay queued for the next wake.
+                    notes.append("engine was paused (weights not loaded): queued requests stay queued")
                 elif mode == "wait":
                     await core.drain()
                 await core.pause()
@@ -85,7 +91,9 @@ class SleepAndWeightsMixin:
                 reports = await self.collective_rpc("sleep", (level,))
             except BaseException:
                 if core.dead is None:
-                    core.resume()
+                    core.release_held()
+                    if not was_paused:
+                        core.resume()
                 raise
             core.release_held()  # queued in the scheduler; the paused core runs nothing until wake
             self._asleep = {"weights", "kv_cache"}
@@ -95,6 +103,7 @@ class SleepAndWeightsMixin:
             report = merge_reports(reports)
             report.update(level=level, mode=mode, aborted=aborted, preempted=preempted,
                           seconds=time.perf_counter() - start)  # fmt: skip
+            report.setdefault("notes", []).extend(notes)
             logger.info("asleep (level %d): freed %s in %.3fs", level, report["freed_bytes"], report["seconds"])
             return report
 
@@ -150,6 +159,13 @@ class SleepAndWeightsMixin:
             core = self._require_core()
             if "weights" in self._asleep:
                 raise InvalidRequestError("the weights are asleep: wake_up(tags=['weights']) first, then update them")
+            if mode == "drain" and core.paused and core.scheduler.has_unfinished_requests():
+                # A paused core (KV cache asleep, or weights not reloaded) runs no step: a drain would never end.
+                raise InvalidRequestError(
+                    f"mode='drain' cannot finish the {len(core.scheduler.requests)} queued requests while the engine "
+                    "is asleep or its weights are not loaded; use mode='pause' (they run on the new weights), "
+                    "or wake_up() first"
+                )
             start = time.perf_counter()
             assert self.executor is not None
             if stage:

@@ -81,7 +81,9 @@ def stage_weights(model: LlamaForCausalLM, source: WeightSource, *, strict: bool
     """Reads and checks the whole source into host memory; safe to run beside serving (reads only)."""
     specs, stream = describe_source(source)
     check_source(model, specs, strict=strict, partial=partial)
-    tensors = [(name, tensor.to("cpu")) for name, tensor in stream()]
+    # copy=True: a safetensors tensor is a lazy view of its file (read in the pause, and changed by
+    # a rewrite of the file); a caller's tensor may be trained on meanwhile. Staging keeps a snapshot.
+    tensors = [(name, tensor.to("cpu", copy=True)) for name, tensor in stream()]
     return StagedWeights(tensors, sum(t.numel() * t.element_size() for _, t in tensors))
 
 
