@@ -64,8 +64,9 @@ def paged_attention(
 
 def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the given blocks as [..., Hkv, L, D] for SDPA."""
-    kv = kv_cache[:, block_ids]  # [2, ..., nb, bs, Hkv, D]
-    kv = kv.flatten(-4, -3) if block_ids.dim() == 2 else kv.flatten(1, 2)
+    # index_select along the block dim is several times faster on CPU than advanced indexing
+    kv = kv_cache.index_select(1, block_ids.flatten())  # [2, B * nb, bs, Hkv, D]
+    kv = kv.view(2, *block_ids.shape[:-1], -1, *kv_cache.shape[-2:])  # [2, (B,) nb * bs, Hkv, D]
     return kv[0].transpose(-3, -2), kv[1].transpose(-3, -2)
 
 
