@@ -70,33 +70,29 @@ def step_times(path: Path) -> tuple[float, dict[int, tuple[float, float]]]:
     return capture, out
 
 
+async def greedy_outputs(engine: AsyncEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+    async def one(p: list[int]) -> list[int]:
+        last = None
+        async for o in engine.generate(p, params):
+            last = o
+        assert last is not None
+        return last.token_ids
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
 async def greedy(path: Path, eager: bool, prompts: list[list[int]]) -> list[list[int]]:
     async with AsyncEngine(config(path, eager)) as engine:
-        async def one(p: list[int]) -> list[int]:
-            last = None
-            async for o in engine.generate(p, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)):
-                last = o
-            assert last is not None
-            return last.token_ids
-
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        return await greedy_outputs(engine, prompts, 32)
 
 
 async def sleep_check(path: Path, prompts: list[list[int]]) -> list[tuple[str, str]]:
     """Per level: device memory freed (mem_get_info), sleep/wake seconds, outputs and graphs after wake."""
     rows = []
     async with AsyncEngine(config(path, eager=False)) as engine:
-        async def outputs() -> list[list[int]]:
-            async def one(p: list[int]) -> list[int]:
-                last = None
-                async for o in engine.generate(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)):
-                    last = o
-                assert last is not None
-                return last.token_ids
-
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
-
-        before = await outputs()
+        before = await greedy_outputs(engine, prompts, 16)
         for level in (1, 2):
             torch.cuda.synchronize()
             free0 = torch.cuda.mem_get_info()[0]
@@ -106,7 +102,7 @@ async def sleep_check(path: Path, prompts: list[list[int]]) -> list[tuple[str, s
             if level == 2:
                 woke["seconds"] += (await engine.reload_weights())["seconds"]
             graphs = await engine.collective_rpc(lambda w: len(w.model_runner.decode_runner.graphs), unique_reply_rank=0)
-            same = await outputs() == before
+            same = await greedy_outputs(engine, prompts, 16) == before
             rows.append((f"sleep level {level}: device memory freed", f"{(free1 - free0) / 2**20:.0f} MiB "
                          f"(reported {sum(slept['freed_bytes'].values()) / 2**20:.0f} MiB)"))
             rows.append((f"sleep level {level}: sleep / wake s", f"{slept['seconds']:.3f} / {woke['seconds']:.3f} "

@@ -46,3 +46,30 @@ async def wait_until_idle(engine: AsyncEngine, timeout: float = 5.0) -> dict[str
         if loop.time() > deadline:
             raise AssertionError(f"engine still holds a request {timeout}s later: {stats}")
         await asyncio.sleep(0.01)
+
+
+def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int | list[int]) -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt (one at a time, no padding), EOS ignored."""
+    import torch
+
+    counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
+    outputs = []
+    with torch.inference_mode():
+        for prompt, n in zip(prompts, counts, strict=True):
+            if n == 0:
+                outputs.append([])
+                continue
+            ids = torch.tensor([prompt], device=model.device)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                # ignore_eos keeps an argmax EOS and goes on; min_new_tokens alone would instead mask
+                # EOS out of the logits and pick the runner-up. Without an EOS id HF does the former.
+                eos_token_id=None,
+                pad_token_id=model.config.pad_token_id,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs

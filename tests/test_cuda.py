@@ -10,6 +10,7 @@ import torch
 
 from aioengine import AsyncEngine, SamplingParams
 from tests.conftest import engine_config
+from tests.helpers import final, hf_generate
 
 pytestmark = pytest.mark.cuda
 
@@ -21,14 +22,7 @@ def _cuda_config(path: Path, **sections: object):
 
 
 async def _run(engine: AsyncEngine, prompts: list[list[int]]) -> list[list[int]]:
-    async def one(p: list[int]) -> list[int]:
-        last = None
-        async for out in engine.generate(p, GREEDY):
-            last = out
-        assert last is not None
-        return last.token_ids
-
-    return list(await asyncio.gather(*(one(p) for p in prompts)))
+    return [o.token_ids for o in await asyncio.gather(*(final(engine, p, GREEDY) for p in prompts))]
 
 
 def _prompts(n: int = 12) -> list[list[int]]:
@@ -41,11 +35,7 @@ async def test_cuda_graphs_are_captured_and_match_hf(llama_ckpt: Path) -> None:
 
     prompts = _prompts()
     hf = AutoModelForCausalLM.from_pretrained(llama_ckpt, dtype=torch.float32).cuda().eval()
-    refs = [
-        hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                    eos_token_id=None)[0, len(p):].tolist()
-        for p in prompts
-    ]  # fmt: skip
+    refs = hf_generate(hf, prompts, GREEDY.max_tokens)
     async with AsyncEngine(_cuda_config(llama_ckpt)) as engine:
         runner = engine.executor.wrappers[0].worker.model_runner  # type: ignore[union-attr]
         assert runner.decode_runner is not None and runner.decode_runner.graphs

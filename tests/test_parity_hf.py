@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from aioengine import AsyncEngine
 from aioengine.sampling.params import SamplingParams
 from aioengine.testing import build_checkpoint, build_tokenizer
+from tests.helpers import hf_generate
 
 NUM_PROMPTS = 16
 MAX_PROMPT_LEN = 200
@@ -48,23 +49,7 @@ def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                # ignore_eos keeps an argmax EOS and goes on; min_new_tokens alone would instead mask
-                # EOS out of the logits and pick the runner-up. Without an EOS id HF does the former.
-                eos_token_id=None,
-                pad_token_id=model.config.pad_token_id,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return hf_generate(model, prompts, new_tokens)
 
 
 async def engine_greedy(engine: AsyncEngine, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:

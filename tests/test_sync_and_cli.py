@@ -11,20 +11,14 @@ from aioengine import AsyncEngine, Engine, SamplingParams
 from aioengine.cli import main as cli_main
 from aioengine.errors import EngineDeadError
 from tests.conftest import engine_config
+from tests.helpers import final
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 async def _greedy_async(path: Path, prompts: list[list[int]]) -> list[list[int]]:
     async with AsyncEngine(engine_config(path, cache={"num_blocks": 64})) as engine:
-        async def one(p: list[int]) -> list[int]:
-            last = None
-            async for out in engine.generate(p, GREEDY):
-                last = out
-            assert last is not None
-            return last.token_ids
-
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        return [o.token_ids for o in await asyncio.gather(*(final(engine, p, GREEDY) for p in prompts))]
 
 
 def test_sync_engine_returns_final_outputs_in_prompt_order(llama_ckpt: Path) -> None:

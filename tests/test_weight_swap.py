@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from aioengine import AsyncEngine, RequestOutput, SamplingParams
 from aioengine.errors import CheckpointError, InvalidRequestError
 from aioengine.testing import build_checkpoint, build_tokenizer
+from tests.helpers import hf_generate
 
 TIMEOUT = 60.0
 """Seconds any single await on the engine may take: a hung stream fails its test, not the run."""
@@ -64,26 +65,7 @@ def hf_model(path: Path, round_trip: torch.dtype | None = None) -> Any:
 def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int | list[int] = NEW_TOKENS,
               round_trip: torch.dtype | None = None) -> list[list[int]]:  # fmt: skip
     """HF's greedy continuation of each prompt, one prompt at a time, EOS ignored."""
-    model = hf_model(path, round_trip)
-    counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
-    outputs = []
-    with torch.inference_mode():
-        for prompt, n in zip(prompts, counts, strict=True):
-            if n == 0:
-                outputs.append([])
-                continue
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                eos_token_id=None,  # ignore_eos: an argmax EOS is kept and generation goes on
-                pad_token_id=model.config.pad_token_id,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return hf_generate(hf_model(path, round_trip), prompts, new_tokens)
 
 
 @pytest.fixture(scope="module")

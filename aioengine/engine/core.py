@@ -91,6 +91,14 @@ class EngineCore:
         self.release_held()
         self._wake.set()
 
+    def undo_pause(self, was_paused: bool) -> None:
+        """After a failed sleep / weight update: admit held requests and step again unless paused before."""
+        if self.dead is not None:
+            return
+        self.release_held()
+        if not was_paused:
+            self.resume()
+
     def release_held(self) -> None:
         self.hold_admission = False
         held, self.held = self.held, []

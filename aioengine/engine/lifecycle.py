@@ -90,10 +90,7 @@ class SleepAndWeightsMixin:
                     preempted = core.scheduler.preempt_all()
                 reports = await self.collective_rpc("sleep", (level,))
             except BaseException:
-                if core.dead is None:
-                    core.release_held()
-                    if not was_paused:
-                        core.resume()
+                core.undo_pause(was_paused)
                 raise
             core.release_held()  # queued in the scheduler; the paused core runs nothing until wake
             self._asleep = {"weights", "kv_cache"}
@@ -186,10 +183,7 @@ class SleepAndWeightsMixin:
                     preempted = core.scheduler.preempt_all()
                 report = merge_reports(await self.executor.collective_rpc("update_weights", (source, partial)))
             except BaseException:
-                if core.dead is None:
-                    core.release_held()
-                    if not was_paused:
-                        core.resume()
+                core.undo_pause(was_paused)
                 raise
             core.weights_version += 1
             if not partial:
