@@ -34,6 +34,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
     prefills: list[PrefillChunk]
     has_padding: bool = False
+    decode_groups: list[tuple[torch.Tensor, int]] | None = None
+    """Eager only: decode rows split by context length as (rows, width in blocks), so short rows do not
+    gather and attend over the longest row's blocks. None: one group as wide as the block table."""
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -71,12 +74,44 @@ def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tens
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    assert meta.decode_block_tables is not None and meta.decode_mask is not None
-    keys, values = _gather(kv_cache, meta.decode_block_tables)  # [Bd, Hkv, L, D]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-    )
+    tables, mask = meta.decode_block_tables, meta.decode_mask
+    assert tables is not None and mask is not None
+    if meta.decode_groups is None:
+        return _decode_rows(q, kv_cache, tables, mask, scale)
+    out = torch.zeros_like(q)  # rows in no group are padding: zeros, never read
+    block_size = kv_cache.shape[2]
+    for rows, width in meta.decode_groups:
+        out[rows] = _decode_rows(q[rows], kv_cache, tables[rows, :width], mask[rows, :, :, : width * block_size], scale)
+    return out
+
+
+def _decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor,
+                 scale: float) -> torch.Tensor:  # fmt: skip
+    keys, values = _gather(kv_cache, tables)  # [B, Hkv, L, D]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)
+
+
+def split_decode_rows(block_counts: list[int], min_rows: int = 8,
+                      min_saving: float = 0.25) -> list[tuple[list[int], int]] | None:  # fmt: skip
+    """Splits decode rows in two by context length when that saves ``min_saving`` of the attention work.
+
+    Returns [(rows, width in blocks), ...] or None (one group). Host-side, for eager steps only.
+    """
+    n = len(block_counts)
+    if n < min_rows:
+        return None
+    order = sorted(range(n), key=block_counts.__getitem__)
+    widths = [block_counts[i] for i in order]
+    whole = n * widths[-1]
+    best_k, best_cost = 0, whole
+    for k in range(1, n):
+        cost = k * widths[k - 1] + (n - k) * widths[-1]
+        if cost < best_cost:
+            best_k, best_cost = k, cost
+    if best_cost > whole * (1 - min_saving):
+        return None
+    return [(order[:best_k], widths[best_k - 1]), (order[best_k:], widths[-1])]
 
 
 def _prefill(

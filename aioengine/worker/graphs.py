@@ -63,18 +63,19 @@ class PaddedDecodeRunner:
         i = bisect.bisect_left(self.sizes, batch_size)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def _meta(self, size: int, width: int) -> AttentionMetadata:
+    def _meta(self, size: int, width: int, groups: list[tuple[torch.Tensor, int]] | None = None) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             num_decodes=size,
             decode_block_tables=self.block_tables[:size, :width],
             decode_mask=self.mask[:size, :, :, : width * self.block_size],
             prefills=[],
+            decode_groups=groups,
         )
 
-    def _forward(self, size: int, width: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(size, width),
-                          self.logits_indices[:size])  # fmt: skip
+    def _forward(self, size: int, width: int, groups: list[tuple[torch.Tensor, int]] | None = None) -> torch.Tensor:
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches,
+                          self._meta(size, width, groups), self.logits_indices[:size])  # fmt: skip
 
     def _fill(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, size: int) -> None:
         """Copies a batch into the static buffers; rows past the batch become null-block padding."""
@@ -93,8 +94,12 @@ class PaddedDecodeRunner:
         torch.lt(self._key_pos.unsqueeze(0), self.positions[:size].unsqueeze(1) + 1, out=self.mask[:size, 0, 0])
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] of a decode batch of B <= max_batch_size tokens."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+            groups: list[tuple[torch.Tensor, int]] | None = None) -> torch.Tensor:  # fmt: skip
+        """Logits [B, V] of a decode batch of B <= max_batch_size tokens.
+
+        ``groups`` (eager only; ignored on graph replay) splits the real rows by context length.
+        """
         b = input_ids.shape[0]
         size = self.bucket(b)
         assert size is not None, f"decode batch {b} exceeds the largest bucket {self.max_batch_size}"
@@ -102,8 +107,8 @@ class PaddedDecodeRunner:
         if size in self.graphs:
             self.graphs[size].replay()
             return self.graph_outputs[size][:b]
-        # Eager (CPU, or enforce_eager): only as wide as this batch's longest block table.
-        return self._forward(size, block_tables.shape[1])[:b]
+        # Eager (CPU): only as wide as this batch's longest block table.
+        return self._forward(size, block_tables.shape[1], groups)[:b]
 
     @torch.inference_mode()
     def capture(self) -> float:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from aioengine.messages import KVCacheConfig, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from aioengine.model.attention import AttentionMetadata, PrefillChunk
+from aioengine.model.attention import AttentionMetadata, PrefillChunk, split_decode_rows
 from aioengine.model.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
 from aioengine.model.loader import (
     load_hf_config,
@@ -178,7 +178,9 @@ class ModelRunner:
             for i in range(num_decodes, len(reqs))
         ]
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
-        meta = AttentionMetadata(slots.to(dev), num_decodes, decode_tables, decode_mask, prefills)
+        groups = split_decode_rows([len(r.block_ids) for r in reqs[:num_decodes]])
+        meta = AttentionMetadata(slots.to(dev), num_decodes, decode_tables, decode_mask, prefills,
+                                 decode_groups=_on_device(groups, dev))  # fmt: skip
         input_ids = torch.tensor([t for r in reqs for t in r.token_ids], device=dev)
         return StepInputs(input_ids, positions.to(dev), meta, (cu[sample_rows] - 1).to(dev),
                           [reqs[i] for i in sample_rows])  # fmt: skip
@@ -253,8 +255,13 @@ class ModelRunner:
         tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs], device=dev)
         ids = torch.tensor([r.token_ids[0] for r in reqs], device=dev)
         positions = torch.tensor([r.start_pos for r in reqs], device=dev)
-        logits = self.decode_runner.run(ids, positions, tables)
+        groups = _on_device(split_decode_rows([len(r.block_ids) for r in reqs]), dev)
+        logits = self.decode_runner.run(ids, positions, tables, groups)
         rows = [i for i, r in enumerate(reqs) if r.sample]
         if len(rows) < len(reqs):  # a one-token prefill chunk that does not end its prompt
             logits = logits[rows]
         return logits, [reqs[i] for i in rows]
+
+
+def _on_device(groups: list[tuple[list[int], int]] | None, device: torch.device) -> list[tuple[torch.Tensor, int]] | None:
+    return None if groups is None else [(torch.tensor(rows, device=device), width) for rows, width in groups]
