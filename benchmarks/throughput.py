@@ -1,98 +1,132 @@
-"""Offline throughput: aioengine vs HF transformers ``generate`` on the same checkpoint, same run.
+"""Offline and online throughput: aioengine beside HF transformers, same checkpoint, same run.
 
-    python -m benchmarks.throughput [--requests 32] [--model tiny]
+    python -m benchmarks throughput [--requests 64] [--model tiny|small] [--out bench_out/]
 
-Workload: prompts of U[16, 256] tokens, outputs of U[16, 128] tokens (numpy rng seed 0), greedy,
-EOS ignored. HF runs static batches with left padding; its output tokens count only the tokens
-each request asked for, so both sides are credited the same work.
+Systems, in one process, one after the other: aioengine (every request submitted at once), HF
+``generate`` in static left-padded batches of 8, 32 and 64, and HF's own continuous batching. Then
+two floors for aioengine's steps (replayed on the worker; GEMMs alone) and aioengine online under
+Poisson arrivals at three shares of its offline request rate. Workload and models: workload.py.
+Writes a markdown table to stdout, and JSON + PNG under --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import tempfile
+import platform
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
+import transformers
 
-from aioengine import AsyncEngine, EngineConfig, SamplingParams
-from aioengine.testing import build_checkpoint
-
-MODELS = {
-    "tiny": dict(arch="llama", hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4, num_kv_heads=2,
-                 vocab_size=32000),
-}  # fmt: skip
-
-
-def workload(n: int, vocab: int) -> list[tuple[list[int], int]]:
-    rng = np.random.default_rng(0)
-    return [
-        (rng.integers(3, vocab, int(rng.integers(16, 257))).tolist(), int(rng.integers(16, 129))) for _ in range(n)
-    ]
+from aioengine import AsyncEngine
+from benchmarks import hf_baselines, report
+from benchmarks.engine_run import EngineRun, engine_config, run_offline
+from benchmarks.floors import measure_floors
+from benchmarks.online import serve_poisson
+from benchmarks.results import Floors, OnlineResult, SystemResult
+from benchmarks.workload import DEFAULT_CACHE, MODELS, BenchRequest, checkpoint, output_tokens, vocab_size, workload
 
 
-async def run_aioengine(path: Path, reqs: list[tuple[list[int], int]]) -> float:
-    config = EngineConfig(model={"path": str(path), "dtype": "float32"}, device={"device": "cpu"},
-                          scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 512})  # fmt: skip
+def log(message: str) -> None:
+    """Progress on stderr, so stdout holds only the report."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+async def run_engine(path: Path, reqs: list[BenchRequest], args: argparse.Namespace,
+                     ) -> tuple[EngineRun, Floors | None, list[OnlineResult]]:  # fmt: skip
+    """One engine for the offline run, its floors, then the online rates (which need the offline rate)."""
+    config = engine_config(path, reqs, args.max_num_seqs, args.max_batched_tokens)
     async with AsyncEngine(config) as engine:
-        async def one(prompt: list[int], n: int) -> int:
-            count = 0
-            async for out in engine.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)):
-                count = len(out.token_ids)
-            return count
-
-        start = time.perf_counter()
-        worker0 = engine.stats()["worker_seconds"]
-        tokens = sum(await asyncio.gather(*(one(p, n) for p, n in reqs)))
-        wall = time.perf_counter() - start
-        busy = engine.stats()["worker_seconds"] - worker0
-        print(f"aioengine: {engine.stats()['num_steps']} steps, worker busy {busy:.2f}s of {wall:.2f}s wall "
-              f"(efficiency {busy / wall:.2f})")
-        return tokens / wall
+        run = await run_offline(engine, reqs)
+        log(f"aioengine: {run.result.tokens_per_s:.1f} tok/s, {run.num_steps} steps in {run.wall:.2f}s")
+        floors = await measure_floors(engine, run.steps)
+        if floors is not None:
+            log(f"floors: replay {floors.replay_seconds:.2f}s, GEMMs {floors.gemm_seconds:.2f}s")
+        online = []
+        offline_rps = len(reqs) / run.wall
+        for fraction in args.rates if args.online_requests else []:
+            result = await serve_poisson(engine, reqs[: args.online_requests], offline_rps * fraction, fraction)
+            log(f"online at {fraction:.0%}: TTFT p50 {result.ttft_p50 or 0:.3f}s, ITL p50 {result.itl_p50 or 0:.4f}s")
+            online.append(result)
+    return run, floors, online
 
 
-def run_hf(path: Path, reqs: list[tuple[list[int], int]], batch_size: int) -> float:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    start = time.perf_counter()
-    tokens = 0
-    for i in range(0, len(reqs), batch_size):
-        batch = reqs[i : i + batch_size]
-        width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
-        new = max(n for _, n in batch)
-        with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=0)  # fmt: skip
-        tokens += sum(n for _, n in batch)
-    return tokens / (time.perf_counter() - start)
+def run_hf(path: Path, reqs: list[BenchRequest], args: argparse.Namespace) -> list[SystemResult]:
+    """The HF systems, after the engine has shut down (each loads its own model copy)."""
+    systems = []
+    for batch_size in args.hf_batch_sizes:
+        systems.append(hf_baselines.run_hf_static(path, reqs, batch_size))
+        log(f"{systems[-1].name}: {systems[-1].tokens_per_s:.1f} tok/s")
+    if args.hf_cb:
+        systems.append(hf_baselines.run_hf_continuous(path, reqs, args.max_batched_tokens, args.max_num_seqs))
+        log(f"{systems[-1].name}: {systems[-1].tokens_per_s or 0:.1f} tok/s {systems[-1].note}")
+    return systems
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=32)
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--requests", type=int, default=64, help="offline requests (a prefix of the fixed 64)")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
-    parser.add_argument("--hf-batch-sizes", default="8,32")
-    args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = dict(MODELS[args.model])
-        path = build_checkpoint(Path(tmp) / args.model, spec.pop("arch"), **spec)  # type: ignore[arg-type]
-        reqs = workload(args.requests, int(spec["vocab_size"]))
-        ours = asyncio.run(run_aioengine(path, reqs))
-        rows = [("aioengine", ours, 1.0)]
-        for bs in (int(b) for b in args.hf_batch_sizes.split(",") if b):
-            hf = run_hf(path, reqs, bs)
-            rows.append((f"HF generate, static batch {bs}", hf, ours / hf))
-    print(f"\n{args.requests} requests, model {args.model}, float32 CPU, {torch.get_num_threads()} threads\n")
-    print("| system | output tokens/s | aioengine / system |\n|---|---:|---:|")
-    for name, tps, ratio in rows:
-        print(f"| {name} | {tps:.1f} | {ratio:.2f}x |")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="where the JSON and PNG go")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where built checkpoints are kept")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-batched-tokens", type=int, default=512)
+    parser.add_argument("--hf-batch-sizes", type=_ints, default=[8, 32, 64], help="comma separated; empty: none")
+    parser.add_argument("--no-hf-cb", dest="hf_cb", action="store_false", help="skip HF continuous batching")
+    parser.add_argument("--online-requests", type=int, default=32, help="requests per online rate; 0: no online")
+    parser.add_argument("--rates", type=_floats, default=[0.25, 0.5, 0.9],
+                        help="online arrival rates as shares of the offline request rate")  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    path = checkpoint(args.model, args.cache)
+    reqs = workload(args.requests, vocab_size(args.model))
+    log(f"model {args.model} at {path}; {len(reqs)} requests, {output_tokens(reqs)} output tokens")
+    run, floors, online = asyncio.run(run_engine(path, reqs, args))
+    systems = run_hf(path, reqs, args)
+
+    title = (f"{len(reqs)} requests ({output_tokens(reqs)} output tokens), model {args.model}, float32 CPU, "
+             f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+             f"transformers {transformers.__version__}")  # fmt: skip
+    print(report.markdown(title, run, systems, floors, online))
+    meta: dict[str, Any] = {
+        "model": args.model,
+        "model_spec": MODELS[args.model],
+        "num_requests": len(reqs),
+        "output_tokens": output_tokens(reqs),
+        "max_num_seqs": args.max_num_seqs,
+        "max_batched_tokens": args.max_batched_tokens,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "unix_time": time.time(),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"throughput_{args.model}"
+    report.write_json(stem.with_suffix(".json"), meta, run, systems, floors, online)
+    plotted = report.write_plot(stem.with_suffix(".png"), title, run, systems, online)
+    written = f"{stem}.json" + (f" and {stem}.png" if plotted else "")
+    print(f"\nwrote {written} ({time.perf_counter() - started:.0f}s in all)")
+    if not plotted:
+        print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,120 @@
+"""aioengine offline: every request submitted at once, with a copy of each step the engine executed
+kept aside so ``floors.py`` can replay exactly those batch shapes on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aioengine import AsyncEngine, EngineConfig, SamplingParams
+from aioengine.messages import SchedulerOutput
+from benchmarks.cpu_load import CpuLoad
+from benchmarks.loop_lag import LoopLag
+from benchmarks.results import SystemResult
+from benchmarks.workload import BenchRequest, output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRun:
+    """The offline run: throughput, where its time went, and the steps it executed."""
+
+    result: SystemResult
+    wall: float
+    worker_seconds: float
+    num_steps: int
+    loop_lag_p99: float | None
+    idle_loop_lag_p99: float | None
+    """The same ticker with the engine started but idle: the machine's own timer noise."""
+    steps: list[SchedulerOutput]
+
+
+def engine_config(path: Path, reqs: list[BenchRequest], max_num_seqs: int, max_batched_tokens: int) -> EngineConfig:
+    """float32 on CPU with the issue's limits; a KV cache that holds every request at once (no preemption)."""
+    sections: dict[str, Any] = dict(
+        model={"path": str(path), "dtype": "float32"},
+        device={"device": "cpu"},
+        scheduler={"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_batched_tokens},
+    )
+    block = EngineConfig(**sections).cache.block_size
+    blocks = sum(-(-(len(r.prompt) + r.max_tokens) // block) for r in reqs) + 64  # + null block and slack
+    return EngineConfig(**sections, cache={"num_blocks": blocks})
+
+
+def params(req: BenchRequest) -> SamplingParams:
+    """Greedy, EOS ignored: exactly ``max_tokens`` tokens."""
+    return SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True)
+
+
+async def stream_tokens(engine: AsyncEngine, req: BenchRequest, on_output: Callable[[int], None] | None = None) -> int:
+    """Consumes one request's stream; returns how many tokens it produced."""
+    count = 0
+    async for out in engine.generate(req.prompt, params(req)):
+        count = len(out.token_ids)
+        if on_output is not None:
+            on_output(len(out.delta_token_ids))
+    return count
+
+
+def _copy_step(sched: SchedulerOutput) -> SchedulerOutput:
+    # Shallow but safe: the scheduler may grow a request's lists after this step (block tables do).
+    reqs = [dataclasses.replace(r, token_ids=list(r.token_ids), block_ids=list(r.block_ids)) for r in sched.requests]
+    return dataclasses.replace(sched, requests=reqs)
+
+
+class StepRecorder:
+    """Keeps a copy of every SchedulerOutput passed to ``executor.execute_model`` inside the block.
+
+    Wraps the bound method on the instance (restored on exit) and calls through unchanged, so the
+    engine runs as it would; the cost is two list copies per request per step.
+    """
+
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
+        self.steps: list[SchedulerOutput] = []
+
+    def __enter__(self) -> StepRecorder:
+        original = self.executor.execute_model
+
+        def recording(sched: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
+            self.steps.append(_copy_step(sched))
+            return original(sched, *args, **kwargs)
+
+        self.executor.execute_model = recording
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.executor.execute_model  # the instance attribute; the class's method shows again
+
+
+async def run_offline(engine: AsyncEngine, reqs: list[BenchRequest]) -> EngineRun:
+    """All requests at once; wall time from the first submission to the last token."""
+    async with LoopLag() as idle:
+        await asyncio.sleep(1.0)
+    await stream_tokens(engine, BenchRequest(reqs[0].prompt[:16], 2))  # warm-up, untimed
+    before = engine.stats()
+    with StepRecorder(engine.executor) as recorder, CpuLoad() as load:
+        async with LoopLag() as lag:
+            start = time.perf_counter()
+            counts = await asyncio.gather(*(stream_tokens(engine, r) for r in reqs))
+            wall = time.perf_counter() - start
+    after = engine.stats()
+    short = sum(1 for c, r in zip(counts, reqs) if c != r.max_tokens)
+    note = f"{short} requests got a different token count" if short else "all requests submitted at once"
+    steps = after["num_steps"] - before["num_steps"]
+    if len(recorder.steps) != steps:  # the engine no longer steps through executor.execute_model
+        recorder.steps.clear()
+    return EngineRun(
+        result=SystemResult("aioengine", output_tokens(reqs) / wall, wall, note, load.others),
+        wall=wall,
+        worker_seconds=after["worker_seconds"] - before["worker_seconds"],
+        num_steps=steps,
+        loop_lag_p99=lag.p99(),
+        idle_loop_lag_p99=idle.p99(),
+        steps=recorder.steps,
+    )

@@ -1,0 +1,86 @@
+"""Floors for the offline run: what the engine's steps cost with nothing around them.
+
+1. Replay: every SchedulerOutput the engine executed, run again on the worker thread in one
+   ``collective_rpc`` call (``execute_and_sample`` back to back, timed inside the worker). Engine
+   efficiency = replay / wall; the rest of the wall time is scheduling, the executor bridge, output
+   processing and any idle worker time.
+2. GEMMs only: ``x @ W.T`` for every Linear of the engine's model (lm_head at the step's sample
+   count, the others at its token count), for the same steps, on the same thread.
+
+The replay rewrites KV blocks the finished requests no longer own, with the same values.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from aioengine.engine.async_engine import AsyncEngine
+from aioengine.executor.base import execute_and_sample
+from aioengine.messages import SchedulerOutput
+from benchmarks.cpu_load import CpuLoad
+from benchmarks.results import Floors
+
+
+def _is_prefill(step: SchedulerOutput) -> bool:
+    return any(len(r.token_ids) > 1 or not r.sample for r in step.requests)
+
+
+def replay_steps(worker: Any, steps: list[SchedulerOutput]) -> list[float]:
+    """Runs on the worker: seconds of ``execute_and_sample`` for each step, in order."""
+    seconds = []
+    for step in steps:
+        start = time.perf_counter()
+        execute_and_sample(worker, step)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _linear_weights(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(weights applied to every token, weights applied only to sampled rows, i.e. the lm_head)."""
+    body: list[torch.Tensor] = []
+    head: list[torch.Tensor] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            (head if name.split(".")[-1] == "lm_head" else body).append(module.weight)
+    return body, head
+
+
+@torch.inference_mode()
+def gemm_steps(worker: Any, shapes: list[tuple[int, int]]) -> list[float]:
+    """Runs on the worker: seconds of the model's GEMMs alone for each (tokens, samples) step."""
+    body, head = _linear_weights(worker.model_runner.model)
+    most = max((n for n, _ in shapes), default=1)
+    inputs = {w.shape[1]: torch.randn(most, w.shape[1], dtype=w.dtype, device=w.device) for w in body + head}
+    seconds = []
+    for num_tokens, num_samples in shapes:
+        start = time.perf_counter()
+        for w in body:
+            torch.nn.functional.linear(inputs[w.shape[1]][:num_tokens], w)
+        if num_samples:
+            for w in head:
+                torch.nn.functional.linear(inputs[w.shape[1]][:num_samples], w)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+async def measure_floors(engine: AsyncEngine, steps: list[SchedulerOutput]) -> Floors | None:
+    """Both floors for ``steps`` (None when no steps were recorded); the engine must be idle."""
+    if not steps:
+        return None
+    shapes = [(s.num_tokens, sum(1 for r in s.requests if r.sample)) for s in steps]
+    with CpuLoad() as load:
+        replay = await engine.collective_rpc(replay_steps, (steps,), unique_reply_rank=0)
+        gemm = await engine.collective_rpc(gemm_steps, (shapes,), unique_reply_rank=0)
+    prefill = [i for i, s in enumerate(steps) if _is_prefill(s)]
+    return Floors(
+        num_steps=len(steps),
+        num_prefill_steps=len(prefill),
+        replay_seconds=sum(replay),
+        replay_prefill_seconds=sum(replay[i] for i in prefill),
+        gemm_seconds=sum(gemm),
+        others_load=load.others,
+    )

@@ -1,0 +1,179 @@
+"""Turns a throughput run into a markdown table (stdout), a JSON file and a PNG plot.
+
+The plot needs matplotlib, a bench-only extra (``pip install -e .[bench]``); without it the plot is
+skipped with a message and everything else is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks.engine_run import EngineRun
+from benchmarks.results import Floors, OnlineResult, SystemResult
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _load(cores: float | None) -> str:
+    return "-" if cores is None else f"{cores:.2f}"
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    return f"{ours / theirs:.2f}x" if ours and theirs else "-"
+
+
+def best_static(systems: list[SystemResult]) -> SystemResult | None:
+    """The fastest HF static batch size, renamed as the "best static" row; None if none ran."""
+    static = [s for s in systems if s.name.startswith("HF generate") and s.tokens_per_s]
+    if not static:
+        return None
+    best = max(static, key=lambda s: s.tokens_per_s or 0.0)
+    return dataclasses.replace(best, name=f"HF generate, best static ({best.name.rsplit(' ', 1)[-1]})")
+
+
+def _table(head: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> list[str]:
+    """Markdown lines; the columns in ``left`` left-aligned, the others (numbers) right."""
+    align = ["---" if i in left else "---:" for i in range(len(head))]
+    return [f"| {' | '.join(cells)} |" for cells in [head, align, *rows]]
+
+
+def systems_table(run: EngineRun, systems: list[SystemResult]) -> list[str]:
+    """Offline tokens/s of every system and aioengine's ratio to each."""
+    ours = run.result.tokens_per_s
+    rows = [run.result, *systems]
+    if (best := best_static(systems)) is not None:
+        rows.append(best)
+    head = ["system", "output tokens/s", "seconds", "aioengine / system", "other load (cores)", "note"]
+    return _table(head, [[
+        s.name,
+        "not available" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}",
+        "-" if s.seconds is None else f"{s.seconds:.2f}",
+        _ratio(ours, s.tokens_per_s),
+        _load(s.others_load),
+        s.note,
+    ] for s in rows], left=(0, 5))  # fmt: skip
+
+
+def time_table(run: EngineRun, floors: Floors | None) -> list[str]:
+    """Where the offline wall time went; the replay floor's share is the engine efficiency."""
+    wall = run.wall
+
+    def row(what: str, seconds: float) -> list[str]:
+        return [what, f"{seconds:.2f}", f"{seconds / wall:.2f}"]
+
+    rows = [row(f"wall ({run.num_steps} steps)", wall), row("worker busy (stats worker_seconds)", run.worker_seconds)]
+    if floors is None:
+        rows.append(["replay and GEMM floors", "-", "not measured: no steps recorded"])
+    else:
+        decode_steps = floors.num_steps - floors.num_prefill_steps
+        efficiency = row(f"**replay floor** (the same {floors.num_steps} steps on the worker)", floors.replay_seconds)
+        efficiency[2] = f"**{efficiency[2]}** = engine efficiency"
+        rows += [
+            efficiency,
+            row(f"... {floors.num_prefill_steps} steps with prompt tokens", floors.replay_prefill_seconds),
+            row(f"... {decode_steps} decode-only steps", floors.replay_seconds - floors.replay_prefill_seconds),
+            row("GEMM-only floor (every Linear, same steps)", floors.gemm_seconds),
+            ["(other load during the floors, cores)", _load(floors.others_load), "-"],
+        ]
+    rows.append(["event loop lag p99 at full load (5 ms ticker)", f"{_ms(run.loop_lag_p99)} ms", "-"])
+    rows.append(["event loop lag p99, engine idle (timer noise)", f"{_ms(run.idle_loop_lag_p99)} ms", "-"])
+    return _table(["aioengine offline: where the time went", "seconds", "share of wall"], rows)
+
+
+def online_table(online: list[OnlineResult]) -> list[str]:
+    """Latency percentiles and loop lag per arrival rate."""
+    head = ["online: Poisson rate req/s (of offline)", "requests", "output tokens/s", "TTFT p50 ms", "TTFT p99 ms",
+            "ITL p50 ms", "ITL p99 ms", "loop lag p99 ms", "other load"]  # fmt: skip
+    return _table(head, [[
+        f"{o.rate:.2f} ({o.fraction:.0%})", str(o.num_requests), f"{o.tokens_per_s:.1f}", _ms(o.ttft_p50),
+        _ms(o.ttft_p99), _ms(o.itl_p50), _ms(o.itl_p99), _ms(o.loop_lag_p99), _load(o.others_load),
+    ] for o in online])  # fmt: skip
+
+
+def noisy(run: EngineRun, systems: list[SystemResult], floors: Floors | None, online: list[OnlineResult],
+          threshold: float = 0.3) -> list[str]:  # fmt: skip
+    """Names of the measurements taken while other processes kept more than ``threshold`` cores busy."""
+    loads = [(s.name, s.others_load) for s in [run.result, *systems]]
+    loads += [("floors", floors.others_load if floors else None)]
+    loads += [(f"online {o.fraction:.0%}", o.others_load) for o in online]
+    return [f"{name} ({load:.2f})" for name, load in loads if load is not None and load > threshold]
+
+
+def markdown(title: str, run: EngineRun, systems: list[SystemResult], floors: Floors | None,
+             online: list[OnlineResult]) -> str:  # fmt: skip
+    """The whole report: ``title``, then the three tables."""
+    lines = [title, "", *systems_table(run, systems), "", *time_table(run, floors)]
+    if online:
+        lines += ["", *online_table(online)]
+    if busy := noisy(run, systems, floors, online):
+        lines += ["", f"**Noisy**: other processes kept cores busy during {', '.join(busy)}; torch's "
+                  "threads then wait on each other and a number can be several times too slow. Rerun."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_json(path: Path, meta: dict[str, Any], run: EngineRun, systems: list[SystemResult],
+               floors: Floors | None, online: list[OnlineResult]) -> None:  # fmt: skip
+    """Everything measured plus ``meta`` (model, versions, limits) as one JSON object."""
+    ours = run.result.tokens_per_s
+    best = best_static(systems)
+    data = {
+        **meta,
+        "aioengine": {
+            **dataclasses.asdict(run.result),
+            "wall_seconds": run.wall,
+            "worker_seconds": run.worker_seconds,
+            "num_steps": run.num_steps,
+            "loop_lag_p99_seconds": run.loop_lag_p99,
+            "idle_loop_lag_p99_seconds": run.idle_loop_lag_p99,
+        },
+        "systems": [{**dataclasses.asdict(s), "aioengine_ratio": ours / s.tokens_per_s if ours and s.tokens_per_s
+                     else None} for s in systems],  # fmt: skip
+        "hf_best_static": dataclasses.asdict(best) if best else None,
+        "floors": dataclasses.asdict(floors) if floors else None,
+        "engine_efficiency": floors.replay_seconds / run.wall if floors else None,
+        "online": [dataclasses.asdict(o) for o in online],
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_plot(path: Path, title: str, run: EngineRun, systems: list[SystemResult],
+               online: list[OnlineResult]) -> bool:  # fmt: skip
+    """Bars of tokens/s per system beside latency vs arrival rate. False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    bars = [s for s in [run.result, *systems] if s.tokens_per_s]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), width_ratios=[1.3, 1])
+    colors = ["tab:green" if s.name == "aioengine" else "tab:gray" for s in bars]
+    left.barh([s.name for s in bars][::-1], [s.tokens_per_s for s in bars][::-1], color=colors[::-1])
+    for y, s in enumerate(bars[::-1]):
+        left.text(s.tokens_per_s, y, f" {s.tokens_per_s:.0f}", va="center", fontsize=8)  # type: ignore[arg-type]
+    left.set_xlabel("output tokens/s (offline, higher is better)")
+    left.set_title("throughput")
+    if online:
+        rates = [o.rate for o in online]
+        for key, style in (("ttft_p50", "o-"), ("ttft_p99", "o--"), ("itl_p50", "s-"), ("itl_p99", "s--")):
+            values = [getattr(o, key) for o in online]
+            right.plot(rates, [v * 1e3 if v is not None else float("nan") for v in values], style,
+                       label=key.replace("_", " "))  # fmt: skip
+        right.set_yscale("log")
+        right.set_xlabel("arrival rate, requests/s (Poisson)")
+        right.set_ylabel("ms")
+        right.set_title("aioengine latency vs rate")
+        right.legend(fontsize=8)
+    else:
+        right.set_axis_off()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,51 @@
+"""What a throughput run measures: small immutable records that ``report.py`` turns into a table,
+JSON and a plot. Seconds everywhere; None where a system or measurement was not available."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SystemResult:
+    """Offline throughput of one system over the whole workload."""
+
+    name: str
+    tokens_per_s: float | None
+    seconds: float | None
+    note: str = ""
+    others_load: float | None = None
+    """Cores the rest of the machine kept busy meanwhile (cpu_load.py): high means a noisy number."""
+
+
+@dataclass(frozen=True, slots=True)
+class Floors:
+    """The engine's own work, replayed on the worker for the steps the offline run executed."""
+
+    num_steps: int
+    num_prefill_steps: int
+    """Steps with at least one prompt chunk (the rest are decode-only)."""
+    replay_seconds: float
+    """execute_model + sample_tokens of every recorded step, timed inside the worker."""
+    replay_prefill_seconds: float
+    gemm_seconds: float
+    """x @ W.T of every Linear (lm_head at the step's sample count), same steps, same thread."""
+    others_load: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OnlineResult:
+    """Poisson arrivals at one rate."""
+
+    rate: float
+    """Requests per second."""
+    fraction: float
+    """The rate as a share of the offline throughput in requests per second."""
+    num_requests: int
+    tokens_per_s: float
+    ttft_p50: float | None
+    ttft_p99: float | None
+    itl_p50: float | None
+    itl_p99: float | None
+    loop_lag_p99: float | None
+    others_load: float | None = None
