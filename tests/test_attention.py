@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aioengine.model.attention import AttentionMetadata, PrefillChunk, paged_attention
+from aioengine.model.attention import AttentionMetadata, PrefillChunk, _decode, paged_attention, split_decode_rows
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
@@ -126,3 +126,37 @@ def test_result_does_not_depend_on_which_blocks_hold_the_context(placement_seed:
     out = paged_attention(q, k, v, cache, meta, SCALE)
     moved = paged_attention(*moved_inputs, SCALE)
     torch.testing.assert_close(moved, out, atol=1e-6, rtol=0)
+
+
+def test_decode_rows_split_only_when_contexts_differ_enough() -> None:
+    assert split_decode_rows([4] * 12) is None
+    assert split_decode_rows([1, 20] * 2) is None  # fewer rows than worth splitting
+    groups = split_decode_rows([1, 1, 1, 1, 1, 1, 1, 1, 20, 19])
+    assert groups is not None
+    (short, short_width), (long, long_width) = groups
+    assert sorted(short + long) == list(range(10))
+    assert (short_width, long_width) == (1, 20)
+    assert set(long) == {8, 9}
+
+
+def test_grouped_decode_equals_one_group() -> None:
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, block_size, num_blocks = 4, 2, 16, 4, 64
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen)
+    contexts = [3, 2, 5, 4, 1, 2, 3, 30, 29, 31]
+    counts = [-(-c // block_size) for c in contexts]
+    width = max(counts)
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
+    tables = torch.zeros(len(contexts), width, dtype=torch.long)
+    used = 0
+    for i, n in enumerate(counts):
+        tables[i, :n] = perm[used : used + n]
+        used += n
+    mask = (torch.arange(width * block_size)[None] < torch.tensor(contexts)[:, None]).view(len(contexts), 1, 1, -1)
+    q = torch.randn(len(contexts), heads, dim, generator=gen)
+    groups = split_decode_rows(counts)
+    assert groups is not None
+    base = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(contexts), tables, mask, [])
+    split = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(contexts), tables, mask, [],
+                              decode_groups=[(torch.tensor(rows), w) for rows, w in groups])  # fmt: skip
+    torch.testing.assert_close(_decode(q, cache, split, 0.25), _decode(q, cache, base, 0.25), rtol=1e-5, atol=1e-6)
