@@ -7,118 +7,21 @@ time), never from the engine. Expected weights come from per-parameter sha256 ch
 the worker thread (``collective_rpc`` with a callable), so "nothing changed" means bit for bit.
 """
 
+
 from __future__ import annotations
 
 import asyncio
-import functools
-import hashlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from aioengine import AsyncEngine, RequestOutput, SamplingParams
+from aioengine import AsyncEngine
 from aioengine.errors import CheckpointError, InvalidRequestError
-from aioengine.testing import build_checkpoint, build_tokenizer
-from tests.helpers import hf_generate
 
-TIMEOUT = 60.0
-"""Seconds any single await on the engine may take: a hung stream fails its test, not the run."""
-NEW_TOKENS = 24
-NUM_STREAMS = 30
-NUM_LATE = 5
-"""Requests sent while a swap is in progress (prompts 0..4 again, under new request ids)."""
-FEW = 6
-"""Prompts checked after a swap outside the concurrency tests."""
-MODES = ["pause", "drain", "abort", "recompute"]
-
-
-def random_prompts(num: int, seed: int, max_len: int = 24) -> list[list[int]]:
-    """``num`` prompts of 1..max_len random ids, none of them a special token."""
-    vocab = len(build_tokenizer())
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, max_len + 1, (num,), generator=gen).tolist()
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
-
-
-PROMPTS = random_prompts(NUM_STREAMS, seed=4321)
-
-
-# ---- references ------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=4)
-def hf_model(path: Path, round_trip: torch.dtype | None = None) -> Any:
-    """HF's float32 model of ``path``; with ``round_trip`` its parameters are rounded to that dtype first."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    if round_trip is not None:  # parameters only: model.to() would also round the rotary buffers
-        with torch.no_grad():
-            for param in model.parameters():
-                param.copy_(param.to(round_trip))
-    return model
-
-
-def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int | list[int] = NEW_TOKENS,
-              round_trip: torch.dtype | None = None) -> list[list[int]]:  # fmt: skip
-    """HF's greedy continuation of each prompt, one prompt at a time, EOS ignored."""
-    return hf_generate(hf_model(path, round_trip), prompts, new_tokens)
-
-
-@pytest.fixture(scope="module")
-def ckpt_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama-b", "llama", seed=1)
-
-
-@pytest.fixture(scope="module")
-def ref(llama_ckpt: Path, ckpt_b: Path) -> dict[str, list[list[int]]]:
-    """HF greedy tokens of every prompt under checkpoint "A" (the engine's) and "B"."""
-    return {"A": hf_greedy(llama_ckpt, PROMPTS), "B": hf_greedy(ckpt_b, PROMPTS)}
-
-
-@pytest.fixture
-async def engine(llama_ckpt: Path, make_engine: Callable[..., AsyncEngine]) -> Any:
-    async with make_engine(llama_ckpt) as engine:
-        yield engine
-
-
-# ---- helpers ---------------------------------------------------------------------------------------
-def greedy(max_tokens: int = NEW_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-async def final(engine: AsyncEngine, prompt: list[int], params: SamplingParams | None = None) -> RequestOutput:
-    out = None
-    async with asyncio.timeout(TIMEOUT):
-        async for out in engine.generate(prompt, params or greedy()):
-            pass
-    assert out is not None and out.finished
-    return out
-
-
-async def token_ids(engine: AsyncEngine, prompts: list[list[int]] = PROMPTS[:FEW]) -> list[list[int]]:
-    outs = await asyncio.gather(*(final(engine, p) for p in prompts))
-    return [list(o.token_ids) for o in outs]
-
-
-def _param_checksums(worker: Any) -> dict[str, str]:
-    return {
-        name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-        for name, p in worker.model_runner.model.named_parameters()
-    }
-
-
-async def checksums(engine: AsyncEngine) -> dict[str, str]:
-    """sha256 of every parameter's bytes, computed on the worker thread between steps."""
-    return (await engine.collective_rpc(_param_checksums))[0]
-
-
-def b_tensors(ckpt: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    tensors = load_file(str(ckpt / "model.safetensors"))
-    return tensors if dtype is None else {n: t.to(dtype) for n, t in tensors.items()}
+from tests.weight_swap_support import *  # noqa: F403 - constants, fixtures and helpers of these tests
 
 
 # ---- a good swap: outputs follow the new weights, from every kind of source --------------------------
@@ -387,134 +290,3 @@ async def test_drain_while_the_kv_cache_sleeps_with_a_request_queued_is_refused_
     await engine.wake_up(["kv_cache"])
     assert list((await queued).token_ids) == ref["A"][0]
     assert engine.weights_version == 0
-
-
-# ---- 30 streams in flight during a swap ------------------------------------------------------------------
-@dataclass
-class Stream:
-    """One request's outputs: each token with the weights_version it was published under."""
-
-    prompt: int
-    tokens: list[tuple[int, int]] = field(default_factory=list)
-    last: RequestOutput | None = None
-
-    @property
-    def ids(self) -> list[int]:
-        return [t for t, _ in self.tokens]
-
-    def before_swap(self, old_version: int) -> list[int]:
-        return [t for t, v in self.tokens if v == old_version]
-
-
-@dataclass
-class SwapRun:
-    report: dict[str, Any]
-    old_version: int
-    in_flight: list[Stream]
-    late: list[Stream]
-    stats: dict[str, Any]
-
-
-async def consume(engine: AsyncEngine, stream: Stream, progressed: Callable[[], None]) -> Stream:
-    async with asyncio.timeout(TIMEOUT):
-        async for out in engine.generate(PROMPTS[stream.prompt], greedy()):
-            # One token per output, so each token's version is known. Consumers keep up with the
-            # steps here; if outputs were ever merged, the per-token versions below would be guesses.
-            assert len(out.delta_token_ids) <= 1, f"outputs were merged: {out.delta_token_ids}"
-            stream.tokens += [(t, out.weights_version) for t in out.delta_token_ids]
-            stream.last = out
-            progressed()
-    return stream
-
-
-async def swap_under_load(engine: AsyncEngine, source: Path, mode: str) -> SwapRun:
-    """30 greedy streams; once each has 2 tokens, ``update_weights(source, mode)``; while it runs, 5 more."""
-    old_version = engine.weights_version
-    all_started = asyncio.Event()
-    in_flight = [Stream(i) for i in range(NUM_STREAMS)]
-
-    def progressed() -> None:
-        if all(len(s.tokens) >= 2 for s in in_flight):
-            all_started.set()
-
-    tasks = [asyncio.create_task(consume(engine, s, progressed)) for s in in_flight]
-    async with asyncio.timeout(TIMEOUT):
-        await all_started.wait()
-    update = asyncio.create_task(engine.update_weights(source, mode=mode))
-    await asyncio.sleep(0)  # the update runs up to its first wait: admission held or steps paused
-    assert not update.done()
-    late = [Stream(i) for i in range(NUM_LATE)]
-    tasks += [asyncio.create_task(consume(engine, s, lambda: None)) for s in late]
-    async with asyncio.timeout(TIMEOUT):
-        report = await update
-        await asyncio.gather(*tasks)
-    return SwapRun(report, old_version, in_flight, late, engine.stats())
-
-
-@pytest.mark.parametrize("mode", MODES)
-async def test_requests_sent_during_a_swap_finish_with_outputs_of_b_and_the_new_version(
-    engine: AsyncEngine, mode: str, ckpt_b: Path, ref: dict[str, list[list[int]]]
-) -> None:
-    run = await swap_under_load(engine, ckpt_b, mode)
-    assert [s.ids for s in run.late] == ref["B"][:NUM_LATE]
-    assert all(v == run.old_version + 1 for s in run.late for _, v in s.tokens)
-
-
-@pytest.mark.parametrize("mode", MODES)
-async def test_every_kv_block_is_free_after_a_swap_under_load(engine: AsyncEngine, mode: str, ckpt_b: Path) -> None:
-    run = await swap_under_load(engine, ckpt_b, mode)
-    assert run.stats["kv_blocks_free"] == run.stats["kv_blocks_total"]
-    assert run.stats["requests_running"] == run.stats["requests_waiting"] == 0
-
-
-async def test_drain_finishes_in_flight_requests_entirely_on_a_with_the_old_version(
-    engine: AsyncEngine, ckpt_b: Path, ref: dict[str, list[list[int]]]
-) -> None:
-    run = await swap_under_load(engine, ckpt_b, "drain")
-    assert [s.ids for s in run.in_flight] == ref["A"]
-    assert all(v == run.old_version for s in run.in_flight for _, v in s.tokens)
-    assert run.report["weights_version"] == run.old_version + 1
-
-
-async def test_pause_lets_in_flight_requests_finish_with_a_tokens_then_new_version_tokens(
-    engine: AsyncEngine, ckpt_b: Path, ref: dict[str, list[list[int]]]
-) -> None:
-    run = await swap_under_load(engine, ckpt_b, "pause")
-    for s in run.in_flight:
-        assert s.last is not None and s.last.finish_reason == "length" and len(s.ids) == NEW_TOKENS
-        old = s.before_swap(run.old_version)
-        assert old == ref["A"][s.prompt][: len(old)]  # computed before the swap: A's
-        assert s.ids[len(old) :] and all(v == run.old_version + 1 for _, v in s.tokens[len(old) :])
-    # The tokens after the swap came from B: on a random pair of models, at least one departs from A.
-    assert any(s.ids != ref["A"][s.prompt] for s in run.in_flight)
-
-
-async def test_recompute_continues_in_flight_requests_exactly_as_b_would_from_their_a_tokens(
-    engine: AsyncEngine, llama_ckpt: Path, ckpt_b: Path, ref: dict[str, list[list[int]]]
-) -> None:
-    run = await swap_under_load(engine, ckpt_b, "recompute")
-    kept = [s.before_swap(run.old_version) for s in run.in_flight]
-    assert kept == [ref["A"][s.prompt][: len(k)] for s, k in zip(run.in_flight, kept, strict=True)]
-    # Their KV is recomputed under B, so the rest is HF's greedy of B from prompt + the kept tokens.
-    rest = hf_greedy(ckpt_b, [PROMPTS[s.prompt] + k for s, k in zip(run.in_flight, kept, strict=True)],
-                     [NEW_TOKENS - len(k) for k in kept])  # fmt: skip
-    assert [s.ids for s in run.in_flight] == [k + r for k, r in zip(kept, rest, strict=True)]
-
-
-async def test_recompute_reports_every_request_it_preempted_mid_generation(engine: AsyncEngine, ckpt_b: Path) -> None:
-    run = await swap_under_load(engine, ckpt_b, "recompute")
-    mid_generation = [s for s in run.in_flight if len(s.before_swap(run.old_version)) < NEW_TOKENS]
-    assert len(mid_generation) > 0
-    assert run.report["preempted"] == len(mid_generation)
-    assert all(s.last is not None and s.last.num_preemptions >= 1 for s in mid_generation)
-
-
-async def test_abort_ends_in_flight_requests_with_abort_and_reports_how_many(
-    engine: AsyncEngine, ckpt_b: Path, ref: dict[str, list[list[int]]]
-) -> None:
-    run = await swap_under_load(engine, ckpt_b, "abort")
-    ended = [s for s in run.in_flight if s.last is not None and s.last.finish_reason == "abort"]
-    finished = [s for s in run.in_flight if s not in ended]
-    assert len(ended) > 0 and run.report["aborted"] == len(ended)
-    assert all(s.ids == ref["A"][s.prompt][: len(s.ids)] for s in ended)  # cut short, A's so far
-    assert all(s.ids == ref["A"][s.prompt] for s in finished)  # any that ended before the swap

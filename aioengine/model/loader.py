@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from aioengine.errors import CheckpointError, UnsupportedModelError
-from aioengine.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, build_model
+from aioengine.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, WeightTarget, build_model
 
 logger = logging.getLogger(__name__)
 
