@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from aioengine.errors import AIOEngineError, CheckpointError
-from aioengine.model.loader import load_weights
+from aioengine.model.loader import WeightPlan, load_weights
 from plugins.inspect import loaded_model
 
 __all__ = [
@@ -132,31 +132,20 @@ def broadcast_weights(group: Any, named_tensors: NamedTensors, src: int = 0) -> 
 
 
 # ---- engine side --------------------------------------------------------------------------------------
-def _check_batch(model: Any, shapes: Iterable[tuple[str, tuple[int, ...]]], partial: bool) -> None:
-    """Raises CheckpointError naming the first tensor with no place or a wrong shape; writes nothing."""
-    params = dict(model.named_parameters())
-    rows: dict[str, set[tuple[int, int]]] = {name: set() for name in params}
-    for name, shape in shapes:
-        try:
-            target = model.resolve_weight(name)
-        except KeyError:
-            raise CheckpointError(f"weight update tensor {name!r} has no place in {type(model).__name__}; "
-                                  "nothing was written (use Hugging Face checkpoint names)") from None  # fmt: skip
-        if target is None:
-            continue  # e.g. lm_head of a tied model: the embedding update covers it
-        param = params[target.param]
-        expected = tuple(param.shape) if target.size is None else (target.size, *param.shape[1:])
-        if tuple(shape) != expected:
-            raise CheckpointError(
-                f"weight update tensor {name!r} has shape {tuple(shape)}, the model expects {expected}; "
-                "nothing was written"
-            )
-        rows[target.param].add((target.offset, expected[0] if expected else 1))
-    if not partial:
-        missing = [n for n, pieces in rows.items() if sum(r for _, r in pieces) < (params[n].shape[0:1] or (1,))[0]]
-        if missing:
-            raise CheckpointError(f"a full weight update (partial=False) has no tensors for {missing[:8]}; "
-                                  "nothing was written")  # fmt: skip
+def _check_batch(model: Any, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], partial: bool) -> None:
+    """The loader's own checks (names, shapes, dtypes, coverage) over the whole batch; writes nothing.
+
+    A name may repeat (the last one wins, as a trainer re-sending a tensor expects), so this is
+    WeightPlan without update_weights' duplicate rule.
+    """
+    plan = WeightPlan(model, strict=True, partial=partial)
+    try:
+        for name, shape, dtype in specs:
+            plan.check(name, shape, dtype)
+        plan.finish()
+    except CheckpointError as exc:
+        full = "" if partial else " (a full update, partial=False)"
+        raise CheckpointError(f"weight update refused{full}: {exc}; nothing was written") from exc
 
 
 class WeightSyncExtension:
@@ -173,7 +162,7 @@ class WeightSyncExtension:
         for name, tensor in pairs:
             if not isinstance(tensor, torch.Tensor):
                 raise CheckpointError(f"weight update {name!r} is a {type(tensor).__name__}, not a tensor")
-        _check_batch(model, ((name, tuple(t.shape)) for name, t in pairs), partial)
+        _check_batch(model, ((name, tuple(t.shape), t.dtype) for name, t in pairs), partial)
         with torch.no_grad():
             return load_weights(model, pairs, strict=True, partial=partial)
 
@@ -219,7 +208,7 @@ class WeightSyncExtension:
                 yield name, buf
 
         try:
-            _check_batch(model, ((name, shape) for name, _, shape in specs), partial)
+            _check_batch(model, ((name, shape, dtype) for name, dtype, shape in specs), partial)
         except CheckpointError:
             # Still take the broadcast (and drop it): the trainer does not hang, the group stays usable.
             for _ in received():

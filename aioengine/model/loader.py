@@ -143,6 +143,8 @@ class WeightPlan:
         self.partial = partial
         self.params = dict(model.named_parameters())
         self.filled: dict[str, set[tuple[int, int]]] = {name: set() for name in self.params}  # (offset, rows)
+        self.targets: dict[str, WeightTarget | None] = {}
+        """Checked names -> where each goes (None: skipped)."""
 
     def check(self, name: str, shape: Iterable[int], dtype: torch.dtype) -> WeightTarget | None:
         """Where ``name`` goes (None: a tensor to skip); raises CheckpointError naming the tensor."""
@@ -154,7 +156,8 @@ class WeightPlan:
                     f"checkpoint tensor {name!r} has no place in {type(self.model).__name__} "
                     "(set load.strict=false to skip unknown tensors)"
                 ) from None
-            return None
+            target = None
+        self.targets[name] = target
         if target is None:
             return None
         dst = self.destination(target)

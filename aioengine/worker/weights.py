@@ -19,7 +19,7 @@ from typing import Any, Union
 import torch
 
 from aioengine.errors import CheckpointError
-from aioengine.model.llama import LlamaForCausalLM, WeightTarget
+from aioengine.model.llama import LlamaForCausalLM
 from aioengine.model.loader import TensorSpec, WeightPlan, checkpoint_files, iter_safetensors, safetensors_specs
 
 
@@ -61,19 +61,19 @@ def describe_source(source: WeightSource) -> tuple[list[TensorSpec], Callable[[]
     return [(n, tuple(t.shape), t.dtype) for n, t in pairs], lambda: iter(pairs)
 
 
-def check_source(model: LlamaForCausalLM, specs: list[TensorSpec], *, strict: bool,
-                 partial: bool) -> dict[str, WeightTarget | None]:  # fmt: skip
-    """Checks every tensor (name, shape, dtype, coverage) before anything is written."""
+def check_source(model: LlamaForCausalLM, specs: Iterable[TensorSpec], *, strict: bool,
+                 partial: bool) -> WeightPlan:  # fmt: skip
+    """Checks every tensor (name, shape, dtype, duplicates, coverage) before anything is written.
+
+    Returns the plan: ``plan.targets`` says where each checked name goes.
+    """
     plan = WeightPlan(model, strict=strict, partial=partial)
-    seen: set[str] = set()
-    targets = {}
     for name, shape, dtype in specs:
-        if name in seen:
+        if name in plan.targets:
             raise CheckpointError(f"tensor {name!r} appears twice in the weight source")
-        seen.add(name)
-        targets[name] = plan.check(name, shape, dtype)
+        plan.check(name, shape, dtype)
     plan.finish()
-    return targets
+    return plan
 
 
 def stage_weights(model: LlamaForCausalLM, source: WeightSource, *, strict: bool = True,
@@ -91,11 +91,10 @@ def apply_weights(model: LlamaForCausalLM, source: WeightSource, *, strict: bool
                   rank: int = 0, world_size: int = 1) -> dict[str, Any]:  # fmt: skip
     """Checks everything, then writes in place. Returns tensors and bytes written."""
     specs, stream = describe_source(source)
-    targets = check_source(model, specs, strict=strict, partial=partial)
-    plan = WeightPlan(model, strict=strict, partial=True)
+    plan = check_source(model, specs, strict=strict, partial=partial)
     written = nbytes = 0
     for name, tensor in stream():
-        target = targets.get(name)
+        target = plan.targets.get(name)
         if target is None:
             continue
         shard = shard_for_rank(name, tensor, rank, world_size)
