@@ -6,6 +6,7 @@ Module names mirror HF's so checkpoint names map one to one, except the fused pr
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,16 +148,14 @@ class LlamaForCausalLM(nn.Module):
             target = WeightTarget(f"{parts[0]}.{fused}.{parts[2]}", sum(sizes[:shard]), sizes[shard])
         else:
             target = WeightTarget(hf_name)
-        if target.param not in self._param_names():
+        if target.param not in self._param_names:
             raise KeyError(hf_name)
         return target
 
-    def _param_names(self) -> set[str]:
-        names = getattr(self, "_param_name_cache", None)
-        if names is None:
-            names = {n for n, _ in self.named_parameters(remove_duplicate=False)}
-            self._param_name_cache = names
-        return names
+    @functools.cached_property
+    def _param_names(self) -> frozenset[str]:
+        # Names never change after __init__ (to_empty / sleep swap tensors, not parameters' names).
+        return frozenset(n for n, _ in self.named_parameters(remove_duplicate=False))
 
 
 def build_model(cfg: Any, max_positions: int) -> LlamaForCausalLM:

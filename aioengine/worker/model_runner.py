@@ -50,6 +50,7 @@ class ModelRunner:
         self.hf_config: Any = None
         self.dtype: torch.dtype = torch.float32
         self.max_model_len = 0
+        self.eos_token_ids: list[int] = []
         self.cache_engine: CacheEngine | None = None
         self.block_size = config.cache.block_size
         self.sampler = Sampler()
@@ -65,6 +66,8 @@ class ModelRunner:
         self.hf_config = load_hf_config(path)
         self.dtype = resolve_dtype(self.config.model.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(self.hf_config, self.config.model.max_model_len)
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         start = time.perf_counter()
         self.model = load_model(path, self.hf_config, self.dtype, self.device, self.max_model_len,
                                 strict=self.config.load.strict)
@@ -74,7 +77,6 @@ class ModelRunner:
     def model_info(self) -> dict[str, Any]:
         """Facts the engine needs to size the cache and validate requests (plain, picklable)."""
         cfg = self.hf_config
-        eos = getattr(cfg, "eos_token_id", None)
         return {
             "architecture": cfg.architectures[0],
             "num_layers": cfg.num_hidden_layers,
@@ -83,7 +85,7 @@ class ModelRunner:
             "vocab_size": cfg.vocab_size,
             "max_model_len": self.max_model_len,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            "eos_token_ids": self.eos_token_ids,
         }
 
     def cache_dtype(self) -> torch.dtype:
@@ -191,13 +193,10 @@ class ModelRunner:
             params = req.sampling
             if params is None or req.output_index >= params.min_tokens:
                 continue
-            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else self._eos_ids)
+            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
+            banned = [t for t in banned if t < logits.shape[-1]]
             if banned:
                 logits[row, banned] = float("-inf")
-
-    @property
-    def _eos_ids(self) -> list[int]:
-        return [t for t in self.model_info()["eos_token_ids"] if t < self.hf_config.vocab_size]
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
