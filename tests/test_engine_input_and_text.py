@@ -178,3 +178,11 @@ async def test_string_prompt_generates_like_its_token_ids(llama_engine, tokenize
     by_ids = await final(llama_engine, tokenizer(PROMPT).input_ids, greedy(8, ignore_eos=True))
     assert by_text.token_ids == by_ids.token_ids
     assert by_ids.prompt_token_ids == by_text.prompt_token_ids
+
+
+async def test_a_stop_id_beyond_the_vocabulary_with_min_tokens_does_not_break_the_engine(llama_engine):
+    vocab = llama_engine.model_info["vocab_size"]
+    params = SamplingParams(max_tokens=4, min_tokens=2, temperature=0.0, stop_token_ids=[vocab + 5])
+    out = await final(llama_engine, [5, 6, 7], params)
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    await llama_engine.check_health()
