@@ -190,6 +190,20 @@ class DeviceConfig(_Section):
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads on CPU. None keeps torch's default."
     )
+    cpu_kernels: bool = Field(
+        True,
+        description=(
+            "CPU, float32: use aioengine's C++ paged decode attention, built once on first use (needs a C++ "
+            "compiler and ninja; about 30 s, then cached). Without them the torch path runs, with a warning."
+        ),
+    )
+    cpu_weight_prepack: bool = Field(
+        True,
+        description=(
+            "CPU, float32: run the linear layers from oneDNN-reordered copies of their weights (much faster "
+            "small-batch GEMMs than MKL's sgemm), at the cost of a second copy of those weights in memory."
+        ),
+    )
 
     @field_validator("device")
     @classmethod

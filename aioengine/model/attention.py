@@ -8,6 +8,7 @@ decode and later chunks read their whole context from the cache through block ta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,10 @@ class AttentionMetadata:
     decode_groups: list[tuple[torch.Tensor, int]] | None = None
     """Eager only: decode rows split by context length as (rows, width in blocks), so short rows do not
     gather and attend over the longest row's blocks. None: one group as wide as the block table."""
+    decode_kernel: Callable[..., None] | None = None
+    """CPU float32: the C++ paged decode attention (``cpu_kernels``), which reads each row's own context
+    in place; it needs ``decode_context_lens`` and ignores the mask and groups. None: the torch path."""
+    decode_context_lens: torch.Tensor | None = None  # [Bd] int64, position + 1 of each decode token
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -75,7 +80,13 @@ def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tens
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     tables, mask = meta.decode_block_tables, meta.decode_mask
-    assert tables is not None and mask is not None
+    assert tables is not None
+    if meta.decode_kernel is not None:
+        assert meta.decode_context_lens is not None
+        out = torch.empty_like(q)
+        meta.decode_kernel(q.contiguous(), kv_cache, tables, meta.decode_context_lens, scale, out)
+        return out
+    assert mask is not None
     if meta.decode_groups is None:
         return _decode_rows(q, kv_cache, tables, mask, scale)
     out = torch.zeros_like(q)  # rows in no group are padding: zeros, never read

@@ -1,13 +1,95 @@
-"""Small building blocks of the Llama family: RMSNorm, rotary embedding, gated MLP."""
+"""Small building blocks of the Llama family: Linear, RMSNorm, rotary embedding, gated MLP."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``Linear`` can run from oneDNN-reordered weights here: CPU, float32, oneDNN ops present."""
+    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that can run from a oneDNN-reordered copy of its weight (CPU, float32).
+
+    torch's CPU ``F.linear`` calls MKL's sgemm, which packs the weight again on every call; for the
+    few rows of a decode step that packing is most of the GEMM, and on AMD CPUs MKL also takes a
+    generic code path. oneDNN with the weight reordered once runs the same GEMMs 1.5-7x faster here
+    (``python -m benchmarks gemm``). The copy follows the weight: the first forward after the copy
+    was dropped (every write through ``WeightPlan`` and ``model.weights_changed()`` drop it; sleep
+    too) or after the weight's storage or version changed reorders it again. It costs a second copy
+    of the weight in memory.
+    """
+
+    prepack_hint: int | None = None
+    """None: plain ``F.linear``. Otherwise packing is on, reordered for batches of about this many rows."""
+    _packed: torch.Tensor | None = None
+    _packed_key: tuple[int, int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.prepack_hint is None:
+            return F.linear(x, self.weight, self.bias)
+        if self._packed_key != _weight_key(self.weight) and not self.pack():
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+    def pack(self) -> int:
+        """Reorders the current weight now; returns the bytes of the copy. Turns packing off on error."""
+        assert self.prepack_hint is not None
+        weight = self.weight.detach()
+        try:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.prepack_hint)
+        except RuntimeError as exc:  # e.g. a dtype this CPU's oneDNN has no kernel for
+            logger.warning("oneDNN weight reorder failed (%s); this layer runs F.linear", exc)
+            self.prepack_hint = None
+            self.drop_packed()
+            return 0
+        self._packed_key = _weight_key(self.weight)
+        return weight.nbytes
+
+    def drop_packed(self) -> None:
+        self._packed = None
+        self._packed_key = None
+
+
+def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
+    """Changes whenever the weight's storage is swapped or it is written in place."""
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor tracks no version: only a storage swap shows
+        version = -1
+    return weight.data_ptr(), version
+
+
+def set_weight_prepack(model: nn.Module, hint: int | None) -> int:
+    """Turns oneDNN packing of every ``Linear`` on (reordered now) or off (None); returns bytes packed."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.prepack_hint = hint
+            module.drop_packed()
+            if hint is not None:
+                total += module.pack()
+    return total
+
+
+def drop_packed_weights(model: nn.Module) -> None:
+    """Frees every packed copy (they come back on the next forward, or ``set_weight_prepack``)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.drop_packed()
 
 
 class RMSNorm(nn.Module):
@@ -103,8 +185,8 @@ class GatedMLP(nn.Module):
 
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported; supported: silu")
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from aioengine.model.attention import AttentionMetadata, paged_attention
-from aioengine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from aioengine.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, drop_packed_weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +43,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -100,9 +100,15 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg, max_positions, qkv_bias, o_bias, qk_norm)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def weights_changed(self) -> None:
+        """Call after writing parameters in place by any means other than ``WeightPlan`` (which calls it):
+        copies derived from the weights (oneDNN-packed linear weights) are rebuilt on the next forward.
+        Writes through ``param.data`` do not bump the version counter, so they cannot be seen otherwise."""
+        drop_packed_weights(self)
 
     @property
     def num_layers(self) -> int:

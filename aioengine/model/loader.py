@@ -169,6 +169,8 @@ class WeightPlan:
         return target
 
     def destination(self, target: WeightTarget) -> torch.Tensor:
+        """The tensor to ``copy_`` the checked tensor into. Marks the model's derived weights stale."""
+        self.model.weights_changed()
         data = self.params[target.param].data
         return data if target.size is None else data.narrow(0, target.offset, target.size)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -33,7 +34,8 @@ class PaddedDecodeRunner:
     """Runs decode-only steps at bucket sizes from static buffers (graph replay on CUDA)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], sizes: list[int], block_size: int,
-                 max_blocks_per_seq: int, device: torch.device, use_graphs: bool) -> None:  # fmt: skip
+                 max_blocks_per_seq: int, device: torch.device, use_graphs: bool,
+                 decode_kernel: Callable[..., None] | None = None) -> None:  # fmt: skip
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes)
@@ -41,12 +43,14 @@ class PaddedDecodeRunner:
         self.max_blocks = max_blocks_per_seq
         self.device = device
         self.use_graphs = use_graphs
+        self.decode_kernel = decode_kernel  # CPU only (see AttentionMetadata.decode_kernel); never captured
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
         self.block_tables = torch.full((n, max_blocks_per_seq), NULL_BLOCK_ID, dtype=torch.long, device=device)
         self.mask = torch.zeros(n, 1, 1, max_blocks_per_seq * block_size, dtype=torch.bool, device=device)
+        self.context_lens = torch.ones(n, dtype=torch.long, device=device)
         self.logits_indices = torch.arange(n, device=device)
         self._key_pos = torch.arange(max_blocks_per_seq * block_size, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -71,6 +75,8 @@ class PaddedDecodeRunner:
             decode_mask=self.mask[:size, :, :, : width * self.block_size],
             prefills=[],
             decode_groups=groups,
+            decode_kernel=self.decode_kernel,
+            decode_context_lens=self.context_lens[:size] if self.decode_kernel is not None else None,
         )
 
     def _forward(self, size: int, width: int, groups: list[tuple[torch.Tensor, int]] | None = None) -> torch.Tensor:
@@ -91,7 +97,10 @@ class PaddedDecodeRunner:
         self.slot_mapping[:b].copy_(self.block_tables[rows, self.positions[:b] // bs] * bs + self.positions[:b] % bs)
         self.slot_mapping[b:size].fill_(NULL_BLOCK_ID * bs)
         # Padded rows attend to position 0 of the null block only: finite, and ignored.
-        torch.lt(self._key_pos.unsqueeze(0), self.positions[:size].unsqueeze(1) + 1, out=self.mask[:size, 0, 0])
+        if self.decode_kernel is not None:
+            torch.add(self.positions[:size], 1, out=self.context_lens[:size])
+        else:
+            torch.lt(self._key_pos.unsqueeze(0), self.positions[:size].unsqueeze(1) + 1, out=self.mask[:size, 0, 0])
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from aioengine.messages import KVCacheConfig, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from aioengine.model import cpu_kernels
 from aioengine.model.attention import AttentionMetadata, PrefillChunk, split_decode_rows
+from aioengine.model.layers import cpu_prepack_supported, drop_packed_weights, set_weight_prepack
 from aioengine.model.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
 from aioengine.model.loader import (
     load_hf_config,
@@ -59,6 +62,8 @@ class ModelRunner:
         self.weights_ready = False
         """False after sleep level 2 until weights are loaded again: forwards are refused meanwhile."""
         self._pending: tuple[int, torch.Tensor, list[ScheduledRequest], float] | None = None
+        self.decode_kernel: Callable[..., None] | None = None
+        """The C++ paged decode attention where it applies (``device.cpu_kernels``, CPU, float32)."""
 
     # ---- set-up ------------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -72,7 +77,25 @@ class ModelRunner:
         self.model = load_model(path, self.hf_config, self.dtype, self.device, self.max_model_len,
                                 strict=self.config.load.strict)
         self.weights_ready = True
+        self.prepack_weights()
+        if self.config.device.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32 \
+                and self.cache_dtype() == torch.float32:  # fmt: skip
+            kernels = cpu_kernels.load()
+            self.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
         logger.info("loaded %s (%s) in %.2fs", path, self.dtype, time.perf_counter() - start)
+
+    def prepack_weights(self) -> int:
+        """(Re)builds the oneDNN copies of the linear weights where they are on (``device.cpu_weight_prepack``,
+        CPU, float32); returns their bytes. Called after the weights change; see ``layers.Linear``."""
+        if self.model is None or not self.weights_ready:
+            return 0
+        on = self.config.device.cpu_weight_prepack and cpu_prepack_supported(self.device, self.dtype)
+        return set_weight_prepack(self.model, self.config.scheduler.max_num_seqs if on else None)
+
+    def drop_packed_weights(self) -> None:
+        """Frees the oneDNN weight copies (before sleep); the next ``prepack_weights`` or forward rebuilds them."""
+        if self.model is not None:
+            drop_packed_weights(self.model)
 
     def model_info(self) -> dict[str, Any]:
         """Facts the engine needs to size the cache and validate requests (plain, picklable)."""
@@ -130,6 +153,7 @@ class ModelRunner:
             self.decode_runner = PaddedDecodeRunner(
                 self.model, self.cache_engine.gpu_cache, sizes, self.block_size,
                 -(-self.max_model_len // self.block_size), self.device, use_graphs=self.device.type == "cuda",
+                decode_kernel=self.decode_kernel,
             )  # fmt: skip
 
     def capture_model(self) -> float:
@@ -168,21 +192,26 @@ class ModelRunner:
 
         num_decodes = sum(1 for r in reqs if len(r.token_ids) == 1)
         dev = self.device
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = decode_lens = None
+        groups = None
         if num_decodes:
             nb = max(len(r.block_ids) for r in reqs[:num_decodes])
-            decode_tables = tables[:num_decodes, :nb]
+            decode_tables = tables[:num_decodes, :nb].to(dev)
             ctx = starts[:num_decodes] + 1
-            decode_mask = (torch.arange(nb * bs).unsqueeze(0) < ctx.unsqueeze(1)).view(num_decodes, 1, 1, nb * bs)
-            decode_tables, decode_mask = decode_tables.to(dev), decode_mask.to(dev)
+            if self.decode_kernel is not None:
+                decode_lens = ctx.to(dev)
+            else:
+                decode_mask = (torch.arange(nb * bs).unsqueeze(0) < ctx.unsqueeze(1)).view(num_decodes, 1, 1, nb * bs)
+                decode_mask = decode_mask.to(dev)
+                groups = split_decode_rows([len(r.block_ids) for r in reqs[:num_decodes]])
         prefills = [
             PrefillChunk(int(cu[i] - lens[i]), int(lens[i]), int(starts[i]), tables[i, : len(reqs[i].block_ids)].to(dev))
             for i in range(num_decodes, len(reqs))
         ]
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
-        groups = split_decode_rows([len(r.block_ids) for r in reqs[:num_decodes]])
         meta = AttentionMetadata(slots.to(dev), num_decodes, decode_tables, decode_mask, prefills,
-                                 decode_groups=_on_device(groups, dev))  # fmt: skip
+                                 decode_groups=_on_device(groups, dev), decode_kernel=self.decode_kernel,
+                                 decode_context_lens=decode_lens)  # fmt: skip
         input_ids = torch.tensor([t for r in reqs for t in r.token_ids], device=dev)
         return StepInputs(input_ids, positions.to(dev), meta, (cu[sample_rows] - 1).to(dev),
                           [reqs[i] for i in sample_rows])  # fmt: skip
@@ -254,8 +283,8 @@ class ModelRunner:
         tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs], device=dev)
         ids = torch.tensor([r.token_ids[0] for r in reqs], device=dev)
         positions = torch.tensor([r.start_pos for r in reqs], device=dev)
-        groups = _on_device(split_decode_rows([len(r.block_ids) for r in reqs]), dev)
-        logits = self.decode_runner.run(ids, positions, tables, groups)
+        groups = None if self.decode_kernel is not None else split_decode_rows([len(r.block_ids) for r in reqs])
+        logits = self.decode_runner.run(ids, positions, tables, _on_device(groups, dev))
         rows = [i for i, r in enumerate(reqs) if r.sample]
         if len(rows) < len(reqs):  # a one-token prefill chunk that does not end its prompt
             logits = logits[rows]

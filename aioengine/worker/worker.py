@@ -93,6 +93,7 @@ class Worker(WorkerBase):
         if backend.asleep:
             return {"freed_bytes": {"kv_cache": 0, "weights": 0}, "seconds": 0.0,
                     "notes": [f"already asleep (level {backend.level}); nothing freed"]}  # fmt: skip
+        self._runner().drop_packed_weights()
         return timed(backend.sleep, level)
 
     def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
@@ -105,6 +106,8 @@ class Worker(WorkerBase):
         report = timed(backend.wake_up, tags)
         report["graph_capture_seconds"] = 0.0
         runner = self._runner()
+        if "weights" not in backend.asleep:
+            runner.prepack_weights()  # a no-op while the weights are discarded (level 2, not reloaded)
         if not backend.asleep and runner.decode_runner is not None and not runner.decode_runner.graphs:
             report["graph_capture_seconds"] = runner.capture_model()
         report["asleep"] = sorted(backend.asleep)
@@ -144,6 +147,7 @@ class Worker(WorkerBase):
             torch.cuda.synchronize(self.device)
         if not partial:
             runner.weights_ready = True
+        runner.prepack_weights()
         report["seconds"] = time.perf_counter() - start
         return report
 

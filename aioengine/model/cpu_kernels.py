@@ -1,0 +1,81 @@
+"""aioengine's C++ kernels for CPU, built on first use with torch's extension builder and cached.
+
+One kernel so far: paged decode attention (``csrc/cpu_attention.cpp``), which reads K and V in place
+through the block tables instead of gathering the context into a copy first. It is what makes decode
+attention cheap on CPU; the plain torch path in ``attention.py`` stays as the fallback and reference.
+
+The build needs a C++ compiler and ninja; it takes about half a minute once, then loads from torch's
+extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) in milliseconds.
+It is compiled for this CPU (``-march=native``), so the build's name carries a hash of the CPU's
+model and flags: a cache shared between different machines never hands one the other's build.
+Without a compiler, or if the build fails, ``load()`` returns None once with a warning naming the
+reason, and the engine runs the torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+import shutil
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name("csrc") / "cpu_attention.cpp"]
+# Vectorised reductions without -ffast-math (which may link crtfastmath and set flush-to-zero for the
+# whole process).
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+           "-fassociative-math", "-fopenmp"]  # fmt: skip
+_lock = threading.Lock()
+
+
+def _cpu_fingerprint() -> str:
+    text = platform.machine() + platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            text += "".join(line for line in f if line.startswith(("model name", "flags")))
+    except OSError:
+        pass
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot be built here (checked without building), or None."""
+    if platform.system() != "Linux":
+        return f"CPU kernels are built on Linux only (this is {platform.system()})"
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return "no C++ compiler (c++ or g++) on PATH"
+    if shutil.which("ninja") is None:
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The built kernel module, or None (with one warning) where it cannot be built. Thread-safe."""
+    with _lock:
+        reason = unavailable_reason()
+        if reason is None:
+            try:
+                return _build()
+            except Exception as exc:  # a failed build must not stop the engine: the torch path is correct
+                reason = f"the build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
+        logger.warning("aioengine CPU kernels unavailable (%s); decode attention runs the slower torch path", reason)
+        return None
+
+
+def _build() -> ModuleType:
+    from torch.utils.cpp_extension import load as load_extension
+
+    start = time.perf_counter()
+    module = load_extension(f"aioengine_cpu_kernels_{_cpu_fingerprint()}", [str(p) for p in _SOURCES],
+                            extra_cflags=_CFLAGS, verbose=False)  # fmt: skip
+    seconds = time.perf_counter() - start
+    if seconds > 2:
+        logger.info("built aioengine's CPU kernels in %.1fs (cached for next time)", seconds)
+    return module
