@@ -37,10 +37,12 @@ class Linear(nn.Linear):
     """None: plain ``F.linear``. Otherwise packing is on, reordered for batches of about this many rows."""
     _packed: torch.Tensor | None = None
     _packed_key: tuple[int, int] | None = None
+    _packed_source: torch.UntypedStorage | None = None
+    """The storage the copy was made from, held so a swapped-in storage can never reuse its address."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.prepack_hint is None:
-            return F.linear(x, self.weight, self.bias)
+        if self.prepack_hint is None or (torch.is_grad_enabled() and self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)  # the oneDNN op has no autograd: inference only
         if self._packed_key != _weight_key(self.weight) and not self.pack():
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
@@ -57,11 +59,13 @@ class Linear(nn.Linear):
             self.drop_packed()
             return 0
         self._packed_key = _weight_key(self.weight)
+        self._packed_source = weight.untyped_storage()
         return weight.nbytes
 
     def drop_packed(self) -> None:
         self._packed = None
         self._packed_key = None
+        self._packed_source = None
 
 
 def _weight_key(weight: torch.Tensor) -> tuple[int, int]:

@@ -1,0 +1,284 @@
+"""Specification of the CPU speed paths: the C++ paged decode attention (``cpu_kernels``) and oneDNN-packed
+``Linear`` weights (``device.cpu_kernels`` / ``device.cpu_weight_prepack``, both on by default).
+
+Each is checked against the plain torch path it replaces (``_decode_rows``, ``F.linear``) or against HF
+``generate``, never against stored numbers. Caches hold random values everywhere, so a kernel that reads a
+wrong slot, or past a row's context, changes the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aioengine import AsyncEngine
+from aioengine.messages import ScheduledRequest, SchedulerOutput
+from aioengine.model import cpu_kernels
+from aioengine.model.attention import _decode_rows, paged_attention
+from aioengine.model.layers import Linear, cpu_prepack_supported, set_weight_prepack
+from aioengine.sampling.params import SamplingParams
+from aioengine.worker.model_runner import ModelRunner
+from tests.conftest import engine_config
+from tests.helpers import final, hf_generate
+from tests.weight_swap_support import ckpt_b, hf_model  # noqa: F401 - ckpt_b is a fixture
+
+OFF = {"cpu_kernels": False, "cpu_weight_prepack": False}
+PROMPTS = [torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+           for n in (1, 16, 17, 40, 80)]  # fmt: skip
+"""Concurrent prompts of one token, one block, one past a block boundary, and longer."""
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def kernel() -> ModuleType:
+    reason = cpu_kernels.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"the CPU kernels cannot be built here: {reason}")
+    module = cpu_kernels.load()
+    assert module is not None, "nothing is missing to build the CPU kernels, yet load() failed (see the warning)"
+    return module
+
+
+# ---- the paged decode attention kernel ---------------------------------------------------------------
+def test_kernel_builds_wherever_its_tools_are_present(kernel: ModuleType) -> None:
+    assert callable(kernel.paged_decode_attention)
+
+
+def decode_rows(heads: int, kv_heads: int, dim: int, block_size: int, lengths: list[int],
+                seed: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Decode rows of the given context lengths. Every row's table is full width, of distinct shuffled
+    blocks; the entries past a row's context point at blocks of random values the row must not read."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in lengths)
+    num_blocks = len(lengths) * width + 3
+    return {"q": torch.randn(len(lengths), heads, dim, generator=gen),
+            "kv_cache": torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen),
+            "block_tables": torch.randperm(num_blocks, generator=gen)[: len(lengths) * width].view(-1, width),
+            "context_lens": torch.tensor(lengths)}  # fmt: skip
+
+
+def torch_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 scale: float = 0.2) -> torch.Tensor:  # fmt: skip
+    width = block_tables.shape[1] * kv_cache.shape[2]
+    mask = (torch.arange(width)[None] < context_lens[:, None]).view(len(context_lens), 1, 1, width)
+    return _decode_rows(q, kv_cache, block_tables, mask, scale)
+
+
+def kernel_decode(kernel: ModuleType, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, scale: float = 0.2) -> torch.Tensor:  # fmt: skip
+    out = torch.full_like(q, float("nan"))  # every element must be written
+    kernel.paged_decode_attention(q, kv_cache, block_tables, context_lens, scale, out)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [16, 1, 4])
+@pytest.mark.parametrize("dim", [64, 32])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 4), (8, 1)])
+def test_kernel_equals_torch_decode_on_shuffled_blocks(kernel: ModuleType, heads: int, kv_heads: int, dim: int,
+                                                       block_size: int) -> None:  # fmt: skip
+    # One token, exactly one block, one past a boundary, one short of one, the full table width.
+    lengths = [1, block_size, 2 * block_size + 1, 3 * block_size - 1, 4 * block_size]
+    inputs = decode_rows(heads, kv_heads, dim, block_size, lengths, seed=heads * dim + block_size)
+    torch.testing.assert_close(kernel_decode(kernel, **inputs), torch_decode(**inputs), atol=1e-5, rtol=1e-5)
+
+
+BAD_INPUTS: dict[str, tuple[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], str]] = {
+    "context length 0": (lambda a: {**a, "context_lens": a["context_lens"] * 0}, "context length 0 of row 0"),
+    "context past the table": (lambda a: {**a, "context_lens": a["context_lens"] + 64}, r"outside 1\.\.64"),
+    "block id out of range": (lambda a: {**a, "block_tables": a["block_tables"] + 1000}, r"block id 10\d\d of row 0"),
+    "float64": (lambda a: {**a, "q": a["q"].double()}, "float32 only"),
+    "non-contiguous": (lambda a: {**a, "q": a["q"].transpose(0, 1).contiguous().transpose(0, 1)}, "contiguous"),
+    "head mismatch": (lambda a: {**a, "q": a["q"][:, :3].contiguous()}, "does not match q's heads"),
+}
+
+
+@pytest.mark.parametrize("problem", list(BAD_INPUTS))
+def test_kernel_refuses_bad_inputs_naming_the_problem(kernel: ModuleType, problem: str) -> None:
+    change, message = BAD_INPUTS[problem]
+    with pytest.raises(RuntimeError, match=message):
+        kernel_decode(kernel, **change(decode_rows(4, 2, 32, 16, [5, 64, 17])))
+
+
+def test_kernel_ignores_table_entries_past_the_context(kernel: ModuleType) -> None:
+    inputs = decode_rows(4, 2, 32, 4, [3, 16])
+    want = kernel_decode(kernel, **inputs)
+    inputs["block_tables"][0, 1:] = 10**6  # row 0 uses one block of four
+    torch.testing.assert_close(kernel_decode(kernel, **inputs), want, atol=0, rtol=0)
+
+
+def test_a_failed_build_makes_load_return_none_with_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    def broken_build() -> ModuleType:
+        raise RuntimeError("compiler exploded\nError building extension 'x'")
+
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "_build", broken_build)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load.__wrapped__() is None  # uncached: the cached load() holds the real build
+    assert "Error building extension 'x'" in caplog.text
+
+
+def test_mixed_batch_from_prepare_inputs_is_the_same_with_and_without_the_kernel(kernel: ModuleType,
+                                                                                 llama_ckpt: Path) -> None:  # fmt: skip
+    # Decodes at contexts 1, 16 (a block boundary) and 41; a prefill chunk continuing at position 20 and one from 0.
+    runner = ModelRunner(engine_config(llama_ckpt), torch.device("cpu"))  # no model: prepare_inputs only
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.randperm(40, generator=gen).tolist()
+    shapes = [(0, 1), (20, 9), (15, 1), (0, 5), (40, 1)]  # (start_pos, tokens)
+    reqs = [ScheduledRequest(f"r{i}", [7] * n, start, [pool.pop() for _ in range(-(-(start + n) // 16))], None)
+            for i, (start, n) in enumerate(shapes)]  # fmt: skip
+    q, k, v = (torch.randn(sum(n for _, n in shapes), heads, 32, generator=gen) for heads in (4, 2, 2))
+    cache = torch.randn(2, 40, 16, 2, 32, generator=gen)
+    outputs = []
+    for decode_kernel in (None, kernel.paged_decode_attention):
+        runner.decode_kernel = decode_kernel
+        meta = runner.prepare_inputs(SchedulerOutput(0, reqs)).meta
+        assert meta.num_decodes == 3 and meta.decode_kernel is decode_kernel
+        outputs.append(paged_attention(q, k, v, cache.clone(), meta, 0.3))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+
+
+# ---- oneDNN-packed Linear ----------------------------------------------------------------------------
+@pytest.fixture
+def linear() -> Linear:
+    assert cpu_prepack_supported(torch.device("cpu"), torch.float32), "torch's CPU builds have oneDNN"
+    torch.manual_seed(0)
+    layer = Linear(64, 96).requires_grad_(False)  # as served; a weight that wants gradients runs F.linear
+    assert set_weight_prepack(layer, 8) == layer.weight.nbytes
+    return layer
+
+
+def test_a_weight_that_wants_gradients_runs_f_linear(linear: Linear) -> None:
+    linear.requires_grad_(True)
+    out = linear(torch.randn(4, 64))
+    assert out.requires_grad  # the oneDNN op has no autograd; F.linear keeps training correct
+
+
+def assert_runs_packed(layer: Linear, x: torch.Tensor) -> None:
+    """The layer gives F.linear of its current weight, from a packed copy (rebuilt if it was stale)."""
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert layer._packed is not None and layer.prepack_hint is not None
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (8, 64), (50, 64), (3, 5, 64)])
+def test_packed_linear_matches_f_linear(linear: Linear, shape: tuple[int, ...]) -> None:
+    assert_runs_packed(linear, torch.randn(*shape))
+
+
+def test_packed_linear_runs_from_its_copy_until_it_is_dropped(linear: Linear) -> None:
+    # A write through .data bumps no version counter: unseen until drop_packed (what weights_changed does).
+    x = torch.randn(4, 64)
+    before = linear(x)
+    linear.weight.data.mul_(2)
+    torch.testing.assert_close(linear(x), before, atol=0, rtol=0)
+    linear.drop_packed()
+    assert linear._packed is None
+    assert_runs_packed(linear, x)
+
+
+def test_packed_linear_follows_an_in_place_copy_into_its_weight(linear: Linear) -> None:
+    linear(torch.randn(4, 64))
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn_like(linear.weight))
+    assert_runs_packed(linear, torch.randn(4, 64))
+
+
+def test_packed_linear_follows_a_swap_of_its_weight_storage(linear: Linear) -> None:
+    linear(torch.randn(4, 64))
+    linear.weight.data = torch.randn_like(linear.weight)
+    assert_runs_packed(linear, torch.randn(4, 64))
+
+
+def test_weights_changed_drops_every_packed_copy_and_the_next_forward_rebuilds_them(llama_ckpt: Path) -> None:
+    runner = ModelRunner(engine_config(llama_ckpt), torch.device("cpu"))
+    runner.load_model()
+    assert runner.model is not None
+    layers = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert layers and all(m._packed is not None for m in layers)
+    runner.model.weights_changed()
+    assert all(m._packed is None for m in layers)
+    runner.profile_run()  # one whole forward
+    assert all(m._packed is not None for m in layers)
+
+
+# ---- through the engine ------------------------------------------------------------------------------
+async def greedy(engine: AsyncEngine) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [list(out.token_ids) for out in await asyncio.gather(*(final(engine, p, params) for p in PROMPTS))]
+
+
+def linears(worker: Any) -> list[Linear]:
+    return [m for m in worker.model_runner.model.modules() if isinstance(m, Linear)]
+
+
+def speed_paths(worker: Any) -> tuple[bool, bool]:
+    """(decode attention runs the C++ kernel, every Linear runs packed) on this worker."""
+    runner = worker.model_runner
+    assert runner.decode_runner is None or runner.decode_runner.decode_kernel is runner.decode_kernel
+    return runner.decode_kernel is not None, all(m.prepack_hint is not None for m in linears(worker))
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(llama_ckpt: Path) -> list[list[int]]:
+    return hf_generate(hf_model(llama_ckpt), PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("switches", ["on", "off", "on, eager"])
+async def test_concurrent_greedy_tokens_equal_hf_with_the_speed_paths_on_or_off(
+    kernel: ModuleType, make_engine: Callable[..., AsyncEngine], llama_ckpt: Path, hf_tokens: list[list[int]],
+    switches: str,
+) -> None:  # fmt: skip
+    on = switches.startswith("on")
+    compile_cfg = {"enforce_eager": switches.endswith("eager")}  # eager: pure decode steps via prepare_inputs too
+    async with make_engine(llama_ckpt, device={} if on else OFF, compile=compile_cfg) as engine:
+        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (on, on)
+        assert await greedy(engine) == hf_tokens
+
+
+async def test_engine_without_a_kernel_build_serves_on_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, make_engine: Callable[..., AsyncEngine], llama_ckpt: Path,
+    hf_tokens: list[list[int]],
+) -> None:  # fmt: skip
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # what load() gives where the build fails
+    async with make_engine(llama_ckpt) as engine:
+        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (False, True)
+        assert await greedy(engine) == hf_tokens
+
+
+async def test_update_weights_with_packed_weights_gives_the_new_checkpoints_tokens(
+    kernel: ModuleType, make_engine: Callable[..., AsyncEngine], llama_ckpt: Path,
+    ckpt_b: Path,  # noqa: F811 - the fixture
+) -> None:  # fmt: skip
+    async with make_engine(ckpt_b, device=OFF) as fresh:
+        want = await greedy(fresh)
+    async with make_engine(llama_ckpt) as engine:
+        before = await greedy(engine)
+        await engine.update_weights(ckpt_b)
+        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (True, True)
+        assert await greedy(engine) == want
+    assert all(a != b for a, b in zip(before, want, strict=True)), "A and B must disagree for the swap to show"
+
+
+async def test_sleep_frees_the_packed_weights_and_wake_up_packs_them_again(
+    make_engine: Callable[..., AsyncEngine], llama_ckpt: Path, hf_tokens: list[list[int]]
+) -> None:
+    def packed(worker: Any) -> int:
+        return sum(m._packed is not None for m in linears(worker))
+
+    async with make_engine(llama_ckpt) as engine:
+        total = await engine.collective_rpc(packed, unique_reply_rank=0)
+        assert total > 0
+        await engine.sleep(1)
+        assert await engine.collective_rpc(packed, unique_reply_rank=0) == 0
+        await engine.wake_up()
+        assert await engine.collective_rpc(packed, unique_reply_rank=0) == total
+        assert await greedy(engine) == hf_tokens
