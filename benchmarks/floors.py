@@ -4,8 +4,8 @@
    ``collective_rpc`` call (``execute_and_sample`` back to back, timed inside the worker). Engine
    efficiency = replay / wall; the rest of the wall time is scheduling, the executor bridge, output
    processing and any idle worker time.
-2. GEMMs only: ``x @ W.T`` for every Linear of the engine's model (lm_head at the step's sample
-   count, the others at its token count), for the same steps, on the same thread.
+2. GEMMs only: every Linear of the engine's model run alone, as the engine runs it (lm_head at the
+   step's sample count, the others at its token count), for the same steps, on the same thread.
 
 The replay rewrites KV blocks the finished requests no longer own, with the same values.
 """
@@ -39,30 +39,34 @@ def replay_steps(worker: Any, steps: list[SchedulerOutput]) -> list[float]:
     return seconds
 
 
-def _linear_weights(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(weights applied to every token, weights applied only to sampled rows, i.e. the lm_head)."""
-    body: list[torch.Tensor] = []
-    head: list[torch.Tensor] = []
+def _linears(model: nn.Module) -> tuple[list[nn.Linear], list[nn.Linear]]:
+    """(layers applied to every token, layers applied only to sampled rows, i.e. the lm_head)."""
+    body: list[nn.Linear] = []
+    head: list[nn.Linear] = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
-            (head if name.split(".")[-1] == "lm_head" else body).append(module.weight)
+            (head if name.split(".")[-1] == "lm_head" else body).append(module)
     return body, head
 
 
 @torch.inference_mode()
 def gemm_steps(worker: Any, shapes: list[tuple[int, int]]) -> list[float]:
-    """Runs on the worker: seconds of the model's GEMMs alone for each (tokens, samples) step."""
-    body, head = _linear_weights(worker.model_runner.model)
+    """Runs on the worker: seconds of the model's GEMMs alone for each (tokens, samples) step.
+
+    Each layer runs as the engine runs it (its own forward: oneDNN-packed weights where they are on).
+    """
+    body, head = _linears(worker.model_runner.model)
     most = max((n for n, _ in shapes), default=1)
-    inputs = {w.shape[1]: torch.randn(most, w.shape[1], dtype=w.dtype, device=w.device) for w in body + head}
+    inputs = {m.in_features: torch.randn(most, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
+              for m in body + head}  # fmt: skip
     seconds = []
     for num_tokens, num_samples in shapes:
         start = time.perf_counter()
-        for w in body:
-            torch.nn.functional.linear(inputs[w.shape[1]][:num_tokens], w)
+        for m in body:
+            m(inputs[m.in_features][:num_tokens])
         if num_samples:
-            for w in head:
-                torch.nn.functional.linear(inputs[w.shape[1]][:num_samples], w)
+            for m in head:
+                m(inputs[m.in_features][:num_samples])
         seconds.append(time.perf_counter() - start)
     return seconds
 

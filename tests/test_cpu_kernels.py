@@ -1,5 +1,6 @@
-"""Specification of the CPU speed paths: the C++ paged decode attention (``cpu_kernels``) and oneDNN-packed
-``Linear`` weights (``device.cpu_kernels`` / ``device.cpu_weight_prepack``, both on by default).
+"""Specification of the CPU speed paths: the C++ kernels (``cpu_kernels``: paged decode attention and
+argmax) and oneDNN-packed ``Linear`` weights (``device.cpu_kernels`` / ``device.cpu_weight_prepack``, both
+on by default).
 
 Each is checked against the plain torch path it replaces (``_decode_rows``, ``F.linear``) or against HF
 ``generate``, never against stored numbers. Caches hold random values everywhere, so a kernel that reads a
@@ -112,6 +113,23 @@ def test_kernel_ignores_table_entries_past_the_context(kernel: ModuleType) -> No
     want = kernel_decode(kernel, **inputs)
     inputs["block_tables"][0, 1:] = 10**6  # row 0 uses one block of four
     torch.testing.assert_close(kernel_decode(kernel, **inputs), want, atol=0, rtol=0)
+
+
+def argmax_cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ties = torch.randn(5, 1000, generator=g)
+    ties[:, [17, 400, 999]] = ties.max() + 1  # three equal maxima per row: the first wins
+    masked = torch.randn(3, 1001, generator=g)  # not a multiple of the kernel's 16 lanes
+    masked[0] = float("-inf")  # min_tokens can mask a whole row
+    masked[1, :-1] = float("-inf")  # the maximum in the unrolled loop's tail
+    return {"random": torch.randn(64, 32000, generator=g), "ties": ties, "masked": masked,
+            "one column": torch.randn(4, 1, generator=g), "strided": torch.randn(6, 300, generator=g)[:, ::3]}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(argmax_cases()))
+def test_argmax_rows_equals_torch_argmax(kernel: ModuleType, case: str) -> None:
+    x = argmax_cases()[case]
+    assert torch.equal(kernel.argmax_rows(x), x.argmax(dim=-1))
 
 
 def test_a_failed_build_makes_load_return_none_with_a_warning(monkeypatch: pytest.MonkeyPatch,

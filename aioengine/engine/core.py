@@ -151,6 +151,9 @@ class EngineCore:
                 pass
             return
         forward = asyncio.ensure_future(self.executor.execute_model(sched))
+        # One loop turn runs the new task up to its hand-off to the workers (the executor submits
+        # before its first real wait); without it the flush below would run before the step starts.
+        await asyncio.sleep(0)
         # Detokenize and publish the previous step while the worker computes this one. Stop strings
         # are found here, so such a request may run one step more; its extra token is dropped.
         self._flush()

@@ -1,8 +1,9 @@
 """aioengine's C++ kernels for CPU, built on first use with torch's extension builder and cached.
 
-One kernel so far: paged decode attention (``csrc/cpu_attention.cpp``), which reads K and V in place
-through the block tables instead of gathering the context into a copy first. It is what makes decode
-attention cheap on CPU; the plain torch path in ``attention.py`` stays as the fallback and reference.
+``csrc/cpu_kernels.cpp`` holds two: paged decode attention, which reads K and V in place through the
+block tables instead of gathering the context into a copy first (what makes decode attention cheap
+on CPU), and ``argmax_rows`` for greedy sampling. The plain torch paths (``attention.py``,
+``torch.argmax``) stay as the fallback and the reference they are tested against.
 
 The build needs a C++ compiler and ninja; it takes about half a minute once, then loads from torch's
 extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) in milliseconds.
@@ -26,7 +27,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("csrc") / "cpu_attention.cpp"]
+_SOURCES = [Path(__file__).with_name("csrc") / "cpu_kernels.cpp"]
 # Vectorised reductions without -ffast-math (which may link crtfastmath and set flush-to-zero for the
 # whole process).
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
@@ -65,7 +66,8 @@ def load() -> ModuleType | None:
                 return _build()
             except Exception as exc:  # a failed build must not stop the engine: the torch path is correct
                 reason = f"the build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
-        logger.warning("aioengine CPU kernels unavailable (%s); decode attention runs the slower torch path", reason)
+        logger.warning("aioengine CPU kernels unavailable (%s); decode attention and argmax run the slower torch "
+                       "paths", reason)
         return None
 
 

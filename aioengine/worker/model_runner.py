@@ -81,7 +81,9 @@ class ModelRunner:
         if self.config.device.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32 \
                 and self.cache_dtype() == torch.float32:  # fmt: skip
             kernels = cpu_kernels.load()
-            self.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
+            if kernels is not None:
+                self.decode_kernel = kernels.paged_decode_attention
+                self.sampler = Sampler(argmax=kernels.argmax_rows)
         logger.info("loaded %s (%s) in %.2fs", path, self.dtype, time.perf_counter() - start)
 
     def prepack_weights(self) -> int:

@@ -1,14 +1,17 @@
-// Paged decode attention for CPU, float32: one query token per row, K and V read in place from the
-// paged cache through each row's block table (no gathered copy of the context).
+// aioengine's CPU kernels, float32:
+// - paged decode attention: one query token per row, K and V read in place from the paged cache
+//   through each row's block table (no gathered copy of the context);
+// - argmax_rows: greedy sampling's argmax.
 //
 // Built on first use by aioengine/model/cpu_kernels.py (torch.utils.cpp_extension); the plain torch
-// path in aioengine/model/attention.py computes the same thing and is what it is tested against.
+// paths (attention.py, torch.argmax) compute the same things and are what these are tested against.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -91,8 +94,39 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, con
   });
 }
 
+// Index of the first maximum of every row of x [B, V] float32 (greedy sampling), as int64 [B].
+// torch.argmax walks each row with index bookkeeping that does not vectorise; this takes the row's
+// max in a vectorisable pass, then finds its first occurrence. NaN entries are ignored.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0, "argmax_rows: x must be [B, V>0] float32");
+  const at::Tensor xc = x.contiguous();
+  const int64_t B = xc.size(0), V = xc.size(1);
+  at::Tensor out = at::empty({B}, xc.options().dtype(at::kLong));
+  const float* xp = xc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* row = xp + b * V;
+      constexpr int64_t kLanes = 16;  // independent partial maxima: the loop compiles to packed max
+      float lanes[kLanes];
+      std::fill(lanes, lanes + kLanes, -std::numeric_limits<float>::infinity());
+      int64_t i = 0;
+      for (; i + kLanes <= V; i += kLanes) {
+        for (int64_t j = 0; j < kLanes; ++j) lanes[j] = row[i + j] > lanes[j] ? row[i + j] : lanes[j];
+      }
+      float m = *std::max_element(lanes, lanes + kLanes);
+      for (; i < V; ++i) m = row[i] > m ? row[i] : m;
+      int64_t idx = 0;
+      while (idx < V && !(row[idx] == m)) ++idx;
+      op[b] = idx < V ? idx : 0;  // a row of NaN and -inf only: 0
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, float32), in place into out");
+  m.def("argmax_rows", &argmax_rows, "First index of each row's maximum (CPU, float32)");
 }
