@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
 from aioengine import AsyncEngine, EngineConfig
+from aioengine.model import cpu_kernels
 from aioengine.testing import build_checkpoint
 
 # Two cores on CI: more torch threads than cores only adds contention.
@@ -58,3 +60,14 @@ def make_engine() -> Callable[..., Any]:
 async def llama_engine(llama_ckpt: Path) -> AsyncIterator[AsyncEngine]:
     async with AsyncEngine(engine_config(llama_ckpt)) as engine:
         yield engine
+
+
+@pytest.fixture(scope="session")
+def kernel() -> ModuleType:
+    """aioengine's C++ CPU kernels. Skips only where a build tool is missing; a failed build fails."""
+    reason = cpu_kernels.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"the CPU kernels cannot be built here: {reason}")
+    module = cpu_kernels.load()
+    assert module is not None, "nothing is missing to build the CPU kernels, yet load() failed (see the warning)"
+    return module

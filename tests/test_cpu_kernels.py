@@ -38,16 +38,6 @@ PROMPTS = [torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(
 NEW_TOKENS = 20
 
 
-@pytest.fixture(scope="module")
-def kernel() -> ModuleType:
-    reason = cpu_kernels.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"the CPU kernels cannot be built here: {reason}")
-    module = cpu_kernels.load()
-    assert module is not None, "nothing is missing to build the CPU kernels, yet load() failed (see the warning)"
-    return module
-
-
 # ---- the paged decode attention kernel ---------------------------------------------------------------
 def test_kernel_builds_wherever_its_tools_are_present(kernel: ModuleType) -> None:
     assert callable(kernel.paged_decode_attention)

@@ -96,8 +96,23 @@ def drop_packed_weights(model: nn.Module) -> None:
             module.drop_packed()
 
 
+def use_cpu_kernels(model: nn.Module, kernels: Any | None) -> None:
+    """Hands the C++ CPU kernels (``cpu_kernels.load()``; None: torch ops) to every layer that has a
+    fused form: RMSNorm, rotary embedding, the gated MLP's activation. Each still takes the torch
+    path for inputs the kernels do not cover (not float32, not CPU, partial rotary)."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP)):
+            module.kernels = kernels
+
+
+def _fits_kernels(kernels: Any | None, x: torch.Tensor) -> bool:
+    return kernels is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, as HF transformers does (parity needs the same rounding)."""
+
+    kernels: Any | None = None
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -105,6 +120,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fits_kernels(self.kernels, x) and self.weight.dtype == torch.float32:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -125,7 +142,8 @@ def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float
     rope_type = params["rope_type"]
     if rope_type == "default":
         base = float(params["rope_theta"])
-        partial = float(getattr(hf_config, "partial_rotary_factor", 1.0))
+        # transformers 5 keeps it in rope_parameters, 4.x on the config itself
+        partial = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)))
         dim = int(head_dim * partial)
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
         return inv_freq, 1.0
@@ -144,6 +162,8 @@ def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary embedding with a cos/sin table for every position up to ``max_positions``."""
+
+    kernels: Any | None = None
 
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -164,7 +184,11 @@ class RotaryEmbedding(nn.Module):
         self.sin_cached = (emb.sin() * self._scaling).to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, Hkv, D]; returns both rotated."""
+        """q: [T, H, D], k: [T, Hkv, D]; returns both rotated (the kernel rotates them in place)."""
+        if _fits_kernels(self.kernels, q) and k.dtype == torch.float32 and self.rotary_dim == q.shape[-1] \
+                and self.cos_cached.dtype == torch.float32:  # fmt: skip
+            self.kernels.rotary_inplace(q, k, positions, self.cos_cached, self.sin_cached)
+            return q, k
         cos = self.cos_cached[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cached[positions].unsqueeze(1).to(q.dtype)
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
@@ -182,6 +206,8 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: in
 class GatedMLP(nn.Module):
     """SwiGLU MLP with gate and up projections fused into one GEMM."""
 
+    kernels: Any | None = None
+
     def __init__(self, hidden_size: int, intermediate_size: int, act: str) -> None:
         super().__init__()
         if act not in ("silu", "swish"):
@@ -193,7 +219,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if _fits_kernels(self.kernels, gate_up) and gate_up.dim() == 2:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

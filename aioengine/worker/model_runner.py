@@ -17,7 +17,7 @@ import torch
 from aioengine.messages import KVCacheConfig, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from aioengine.model import cpu_kernels
 from aioengine.model.attention import AttentionMetadata, PrefillChunk, split_decode_rows
-from aioengine.model.layers import cpu_prepack_supported, drop_packed_weights, set_weight_prepack
+from aioengine.model.layers import cpu_prepack_supported, drop_packed_weights, set_weight_prepack, use_cpu_kernels
 from aioengine.model.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
 from aioengine.model.loader import (
     load_hf_config,
@@ -84,6 +84,7 @@ class ModelRunner:
             if kernels is not None:
                 self.decode_kernel = kernels.paged_decode_attention
                 self.sampler = Sampler(argmax=kernels.argmax_rows)
+                use_cpu_kernels(self.model, kernels)
         logger.info("loaded %s (%s) in %.2fs", path, self.dtype, time.perf_counter() - start)
 
     def prepack_weights(self) -> int:

@@ -1,16 +1,21 @@
 // aioengine's CPU kernels, float32:
 // - paged decode attention: one query token per row, K and V read in place from the paged cache
 //   through each row's block table (no gathered copy of the context);
-// - argmax_rows: greedy sampling's argmax.
+// - argmax_rows: greedy sampling's argmax;
+// - rms_norm, rotary_inplace, silu_and_mul: the elementwise parts of a Llama layer, one pass each
+//   instead of 5-12 torch ops (on CPU every op costs microseconds of dispatch).
 //
 // Built on first use by aioengine/model/cpu_kernels.py (torch.utils.cpp_extension); the plain torch
-// paths (attention.py, torch.argmax) compute the same things and are what these are tested against.
+// paths (attention.py, layers.py, torch.argmax) compute the same things and are what these are tested
+// against.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -124,9 +129,115 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// RMSNorm over the last dim, as HF computes it in float32: x * rsqrt(mean(x^2) + eps) * weight.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: float32 only");
+  const int64_t D = weight.numel();
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == D && weight.is_contiguous(), "rms_norm: x's last dim must match weight");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t rows = xc.numel() / D;
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * D;
+      float* orow = op + r * D;
+      float ss = 0.f;
+      for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + feps);
+      for (int64_t d = 0; d < D; ++d) orow[d] = wp[d] * (xr[d] * inv);
+    }
+  });
+  return out;
+}
+
+// Rotate-half rotary embedding in place on q [T, Hq, D] and k [T, Hk, D] (last dim contiguous, any
+// token/head strides: they may be views into the fused qkv output), from cos/sin tables [P, D].
+void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
+                    const at::Tensor& sin) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
+              sin.scalar_type() == at::kFloat, "rotary_inplace: float32 only");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
+              q.stride(2) == 1 && k.stride(2) == 1, "rotary_inplace: q, k must be [T, H, D] with D contiguous");
+  const int64_t T = q.size(0), D = q.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
+              sin.is_contiguous(), "rotary_inplace: cos/sin must be contiguous [positions, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T, "rotary_inplace: one int64 position per token");
+  const at::Tensor pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "rotary_inplace: position ", pp[t], " outside the table");
+  }
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  auto rotate = [&](at::Tensor& x, int64_t t) {
+    float* base = x.data_ptr<float>() + t * x.stride(0);
+    const float* c = cp + pp[t] * D;
+    const float* s = sp + pp[t] * D;
+    for (int64_t h = 0; h < x.size(1); ++h) {
+      float* v = base + h * x.stride(1);
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] + (-b) * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  };
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      rotate(q, t);
+      rotate(k, t);
+    }
+  });
+}
+
+// exp(x) for float32 as Cephes computes it (range reduction by ln 2, degree-6 polynomial, 2^n from
+// the exponent bits): within 2 ulp of std::exp, and plain arithmetic, so loops over it vectorise.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  x = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// SwiGLU's activation: x [T, 2I] -> silu(x[:, :I]) * x[:, I:] as [T, I].
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2I] float32");
+  const at::Tensor xc = x.contiguous();
+  const int64_t T = xc.size(0), I = xc.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * 2 * I;
+      const float* u = g + I;
+      float* o = op + t * I;
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, float32), in place into out");
   m.def("argmax_rows", &argmax_rows, "First index of each row's maximum (CPU, float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU, float32)");
+  m.def("rotary_inplace", &rotary_inplace, "Rotate-half rotary embedding of q and k, in place (CPU, float32)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)");
 }
