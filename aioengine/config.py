@@ -147,6 +147,14 @@ class SchedulerConfig(_Section):
     enable_chunked_prefill: bool = Field(
         True, description="Split long prompts over several steps so decodes keep running."
     )
+    async_scheduling: bool = Field(
+        True,
+        description=(
+            "Schedule step N+1 while step N runs, its new tokens standing in as placeholders the worker fills "
+            "in, so the worker never waits for the event loop between steps. A request that ends on EOS or a "
+            "stop token still runs one step more (its token is dropped); on a stop string, up to two."
+        ),
+    )
 
 
 class ParallelConfig(_Section):

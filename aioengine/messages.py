@@ -14,13 +14,19 @@ if TYPE_CHECKING:  # messages sits at the bottom of the import graph: no runtime
     from aioengine.sampling.params import SamplingParams
 
 
+PLACEHOLDER_TOKEN_ID = -1
+"""In ``ScheduledRequest.token_ids``: the token the step before this one samples for the request,
+which is not known when this step is scheduled (async scheduling); the worker fills it in."""
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step."""
 
     req_id: str
     token_ids: list[int]
-    """Tokens to compute this step: a prefill chunk, or the token sampled last step."""
+    """Tokens to compute this step: a prefill chunk, or the token sampled last step (which may be
+    ``PLACEHOLDER_TOKEN_ID``: the previous step, still running when this one was scheduled, samples it)."""
     start_pos: int
     """Position of ``token_ids[0]``; equals the number of tokens already in the KV cache."""
     block_ids: list[int]

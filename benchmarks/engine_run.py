@@ -5,6 +5,7 @@ kept aside so ``floors.py`` can replay exactly those batch shapes on the worker.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import time
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from aioengine import AsyncEngine, EngineConfig, SamplingParams
-from aioengine.messages import SchedulerOutput
+from aioengine.messages import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from benchmarks.cpu_load import CpuLoad
 from benchmarks.loop_lag import LoopLag
 from benchmarks.results import SystemResult
@@ -62,8 +63,12 @@ async def stream_tokens(engine: AsyncEngine, req: BenchRequest, on_output: Calla
 
 
 def _copy_step(sched: SchedulerOutput) -> SchedulerOutput:
-    # Shallow but safe: the scheduler may grow a request's lists after this step (block tables do).
-    reqs = [dataclasses.replace(r, token_ids=list(r.token_ids), block_ids=list(r.block_ids)) for r in sched.requests]
+    """A copy to replay later. Its own lists, since the scheduler grows block tables after the step;
+    placeholders (async scheduling) become token 0, as a replay has no previous step to take them from."""
+    reqs = [copy.copy(r) for r in sched.requests]
+    for r in reqs:
+        r.token_ids = [0 if t == PLACEHOLDER_TOKEN_ID else t for t in r.token_ids]
+        r.block_ids = list(r.block_ids)
     return dataclasses.replace(sched, requests=reqs)
 
 

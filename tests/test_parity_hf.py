@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aioengine import AsyncEngine
+from aioengine.messages import PLACEHOLDER_TOKEN_ID
 from aioengine.sampling.params import SamplingParams
 from aioengine.testing import build_checkpoint, build_tokenizer
 from tests.helpers import hf_generate
@@ -33,6 +34,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "default": {"cache": {"num_blocks": 512}, "scheduler": {"max_num_batched_tokens": 512}},
     "chunked": {"cache": {"num_blocks": 512}, "scheduler": {"max_num_batched_tokens": SMALL_BUDGET}},
     "preempt": {"cache": {"num_blocks": SMALL_CACHE_BLOCKS, "block_size": 16}},
+    # Every config above schedules asynchronously (the default); this one steps one at a time, preempting.
+    "sync": {"cache": {"num_blocks": SMALL_CACHE_BLOCKS, "block_size": 16}, "scheduler": {"async_scheduling": False}},
 }
 
 
@@ -135,8 +138,10 @@ async def test_concurrent_greedy_matches_hf_generate(
         assert stats["num_steps"] >= math.ceil(total / SMALL_BUDGET)
         continued = [r for s in steps for r in s.requests if r.start_pos > 0 and len(r.token_ids) > 1]
         assert continued, "no prefill chunk continued a prompt: chunked prefill did not happen"
-    if config == "preempt":
+    if config in ("preempt", "sync"):
         assert stats["num_preemptions"] > 0
+    placeholders = any(PLACEHOLDER_TOKEN_ID in r.token_ids for s in steps for r in s.requests)
+    assert placeholders == (config != "sync"), "async scheduling on exactly when configured"
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])

@@ -108,7 +108,8 @@ class AsyncEngine(SleepAndWeightsMixin):
             eos_token_ids=self.model_info["eos_token_ids"],
             enable_chunked_prefill=sched.enable_chunked_prefill,
         )
-        self.core = EngineCore(scheduler, self.executor, self.tokenizer)
+        self.core = EngineCore(scheduler, self.executor, self.tokenizer,
+                               async_scheduling=sched.async_scheduling)  # fmt: skip
         self.core.start()
 
     async def shutdown(self) -> None:

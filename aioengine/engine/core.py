@@ -2,17 +2,24 @@
 
 It never runs torch compute: the forward happens on the worker thread while the loop
 awaits its future, so other coroutines keep running during every step.
+
+With async scheduling (the default) the loop keeps one step queued behind the running one:
+it schedules and submits step N+1 as soon as step N's outputs are applied, while N+1's own
+inputs still name N's tokens by placeholder, so the worker goes from step to step without
+waiting for the loop; publishing step N's outputs overlaps step N+1's forward.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from typing import Any
 
 from aioengine.engine.outputs import IncrementalDetokenizer, OutputCollector, RequestOutput
 from aioengine.errors import EngineDeadError
 from aioengine.executor.base import Executor
+from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.scheduler.request import Request, RequestStatus
 from aioengine.scheduler.scheduler import RequestUpdate, Scheduler
 
@@ -22,8 +29,9 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Owns the scheduler and the per-request output state; drives the executor step by step."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Any) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Any, async_scheduling: bool = True) -> None:
         self.scheduler = scheduler
+        self.async_scheduling = async_scheduling
         self.executor = executor
         self.tokenizer = tokenizer
         self.collectors: dict[str, OutputCollector] = {}
@@ -40,6 +48,8 @@ class EngineCore:
         """New requests wait in ``held`` instead of the scheduler (e.g. while draining before a sleep)."""
         self.held: list[Request] = []
         self._pending: list[RequestUpdate] = []
+        self._inflight: deque[tuple[SchedulerOutput, asyncio.Future[ModelRunnerOutput]]] = deque()
+        """Steps submitted whose outputs are not applied yet, oldest first (at most one between steps)."""
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -125,15 +135,16 @@ class EngineCore:
         try:
             while True:
                 if self.paused or not self.scheduler.has_unfinished_requests():
+                    if self._inflight:  # finish the queued step before idling
+                        await self._publish_then_finish_oldest()
+                        continue
                     self._flush()
+                    self._idle.set()
                     self._wake.clear()
                     await self._wake.wait()
                     continue
                 self._idle.clear()
-                try:
-                    await self._step()
-                finally:
-                    self._idle.set()
+                await self._step()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - any failure of a step ends every stream, never hangs it
@@ -142,9 +153,12 @@ class EngineCore:
 
     async def _step(self) -> None:
         sched = self.scheduler.schedule()
-        if sched.is_empty:  # nothing fits this instant; wait for a change instead of spinning
+        if sched.is_empty:
+            if self._inflight:  # everything running waits on the step in flight
+                await self._publish_then_finish_oldest()
+                return
             self._flush()
-            self._wake.clear()
+            self._wake.clear()  # nothing fits this instant; wait for a change instead of spinning
             try:
                 await asyncio.wait_for(self._wake.wait(), 0.01)
             except TimeoutError:
@@ -154,13 +168,27 @@ class EngineCore:
         # One loop turn runs the new task up to its hand-off to the workers (the executor submits
         # before its first real wait); without it the flush below would run before the step starts.
         await asyncio.sleep(0)
-        # Detokenize and publish the previous step while the worker computes this one. Stop strings
-        # are found here, so such a request may run one step more; its extra token is dropped.
+        self._inflight.append((sched, forward))
+        # Detokenize and publish the last outputs while the worker computes. Stop strings are found
+        # here, so such a request may run a step or two more; the extra tokens are dropped.
         self._flush()
+        while len(self._inflight) > self.async_scheduling:  # async: leave the new step queued
+            await self._finish_oldest()
+
+    async def _publish_then_finish_oldest(self) -> None:
+        """Publishes the applied outputs, lets streams take them, then applies the next step's."""
+        self._flush()
+        await asyncio.sleep(0)  # else a stream could get two steps' tokens merged into one output
+        await self._finish_oldest()
+
+    async def _finish_oldest(self) -> None:
+        """Waits for the oldest step in flight and applies its outputs (workers run steps in order)."""
+        sched, forward = self._inflight[0]
         output = await forward
+        self._inflight.popleft()
         self.num_steps += 1
         self.worker_seconds += output.forward_seconds
-        self._pending = self.scheduler.update_from_output(sched, output)
+        self._pending.extend(self.scheduler.update_from_output(sched, output))
 
     def _flush(self) -> None:
         """Publishes the updates of the last step (detokenizing, applying stop strings)."""
@@ -217,6 +245,7 @@ class EngineCore:
         self.detokenizers.clear()
         self.held.clear()
         self._pending = []
+        self._inflight.clear()
         self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
         self._idle.set()
 

@@ -31,6 +31,9 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     """Prompt followed by every generated token: the sequence whose KV the cache holds."""
     num_computed_tokens: int = 0
+    """Tokens whose KV is computed or being computed: advanced when a step is scheduled."""
+    num_placeholders: int = 0
+    """Tokens that scheduled steps will sample but whose outputs have not come back yet (0 or 1)."""
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

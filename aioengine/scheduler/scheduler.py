@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from aioengine.messages import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from aioengine.messages import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from aioengine.scheduler.kv_manager import KVBlockManager
 from aioengine.scheduler.request import Request, RequestStatus
 
@@ -52,6 +52,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: list[str] = []
         self._step_ids = itertools.count()
+        self._scheduled: dict[int, dict[str, Request]] = {}
+        """Step id -> the requests it ran, until its outputs are applied: a request aborted while its step
+        ran may come back under the same id, and the old step's token must not reach the new one."""
         self.num_preemptions = 0
 
     # ---- queue ---------------------------------------------------------------------------------------
@@ -96,7 +99,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
+            num_new = min(len(request.token_ids) + request.num_placeholders - request.num_computed_tokens, budget)
+            if num_new <= 0 or self._ends_in_flight(request):
+                i += 1  # the step in flight samples its last token: nothing more to run
+                continue
             while not self.kv.allocate(request, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -125,35 +131,50 @@ class Scheduler:
             budget -= num_new
 
         finished, self._finished_ids = self._finished_ids, []
+        step_id = next(self._step_ids)
+        if scheduled:
+            self._scheduled[step_id] = {r.req_id: r for r, _ in scheduled}
         return SchedulerOutput(
-            step_id=next(self._step_ids),
+            step_id=step_id,
             requests=[self._describe(r, n) for r, n in scheduled],
             finished_req_ids=finished,
         )
 
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Whether a token still to come back reaches the request's length limit (async scheduling)."""
+        pending = request.num_placeholders
+        return pending > 0 and (request.num_output_tokens + pending >= request.sampling.max_tokens
+                                or len(request.token_ids) + pending >= self.max_model_len)  # fmt: skip
+
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
+        """The step's share of ``request``; advances its computed tokens (and placeholders, if it samples)."""
         start = request.num_computed_tokens
-        samples = start + num_new == len(request.token_ids)
-        return ScheduledRequest(
+        end = start + num_new
+        known = request.token_ids[start:end]
+        samples = end == len(request.token_ids) + request.num_placeholders
+        scheduled = ScheduledRequest(
             req_id=request.req_id,
-            token_ids=request.token_ids[start : start + num_new],
+            # past the known tokens: the one the step in flight samples
+            token_ids=known + [PLACEHOLDER_TOKEN_ID] * (num_new - len(known)),
             start_pos=start,
             block_ids=list(request.block_ids),
             sampling=request.sampling if samples else None,
-            output_index=request.num_output_tokens,
+            output_index=request.num_output_tokens + request.num_placeholders,
         )
+        request.num_computed_tokens = end
+        request.num_placeholders += samples
+        return scheduled
 
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
-        """Advances computed-token counts, appends sampled tokens, applies stop conditions."""
-        for scheduled in sched.requests:
-            request = self.requests.get(scheduled.req_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                request.num_computed_tokens = scheduled.start_pos + len(scheduled.token_ids)
+        """Appends the sampled tokens (in place of their placeholders) and applies stop conditions."""
         updates = []
+        ran = self._scheduled.pop(sched.step_id, {})
         for req_id, token in zip(output.req_ids, output.sampled_token_ids):
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            request = ran.get(req_id)
+            if request is None or self.requests.get(req_id) is not request or request.status != RequestStatus.RUNNING \
+                    or not request.num_placeholders:  # fmt: skip
+                continue  # aborted, finished or preempted while the step ran: the token is dropped
+            request.num_placeholders -= 1
             request.token_ids.append(token)
             status = self._check_stop(request, token)
             if status is not None:
@@ -187,6 +208,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.num_placeholders = 0  # tokens of steps in flight are dropped; recompute samples them again
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -6,6 +6,7 @@ computed with tensor ops, never per token in Python.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -14,7 +15,13 @@ from typing import Any
 
 import torch
 
-from aioengine.messages import KVCacheConfig, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from aioengine.messages import (
+    PLACEHOLDER_TOKEN_ID,
+    KVCacheConfig,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from aioengine.model import cpu_kernels
 from aioengine.model.attention import AttentionMetadata, PrefillChunk, split_decode_rows
 from aioengine.model.layers import cpu_prepack_supported, drop_packed_weights, set_weight_prepack, use_cpu_kernels
@@ -62,6 +69,8 @@ class ModelRunner:
         self.weights_ready = False
         """False after sleep level 2 until weights are loaded again: forwards are refused meanwhile."""
         self._pending: tuple[int, torch.Tensor, list[ScheduledRequest], float] | None = None
+        self._last_sampled: dict[str, int] = {}
+        """Tokens the last sampling step chose, by request: what ``PLACEHOLDER_TOKEN_ID`` stands for."""
         self.decode_kernel: Callable[..., None] | None = None
         """The C++ paged decode attention where it applies (``device.cpu_kernels``, CPU, float32)."""
 
@@ -243,6 +252,7 @@ class ModelRunner:
         start = time.perf_counter()
         if sched.is_empty:
             return ModelRunnerOutput(sched.step_id, [], [])
+        sched = self._fill_placeholders(sched)
         reqs = sched.requests
         if self._fits_decode_runner(reqs):
             logits, sample_reqs = self._run_padded_decode(reqs)
@@ -273,7 +283,23 @@ class ModelRunner:
         meta = SamplingMetadata.build([r.sampling for r in reqs],  # type: ignore[misc]
                                       [r.output_index for r in reqs], self.device)  # fmt: skip
         tokens = self.sampler(logits, meta).tolist()
+        self._last_sampled = {r.req_id: token for r, token in zip(reqs, tokens)}
         return ModelRunnerOutput(step_id, [r.req_id for r in reqs], tokens, time.perf_counter() - start)
+
+    def _fill_placeholders(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """Puts the tokens the previous step sampled in place of their placeholders (async scheduling)."""
+        if not any(r.token_ids and r.token_ids[-1] == PLACEHOLDER_TOKEN_ID for r in sched.requests):
+            return sched
+        reqs = []
+        for r in sched.requests:
+            if r.token_ids and r.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                token = self._last_sampled.get(r.req_id)
+                if token is None:
+                    raise RuntimeError(f"request {r.req_id!r} was scheduled with the token of a step that did not "
+                                       "sample it (placeholder without a previous sample)")  # fmt: skip
+                r = dataclasses.replace(r, token_ids=[*r.token_ids[:-1], token])
+            reqs.append(r)
+        return dataclasses.replace(sched, requests=reqs)
 
     def _fits_decode_runner(self, reqs: list[ScheduledRequest]) -> bool:
         runner = self.decode_runner

@@ -234,10 +234,15 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 }  // namespace
 
+// Every kernel releases the GIL while it runs, as torch's own ops do: it touches no Python object,
+// and the engine's event loop (another thread of the same process) must keep running meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, float32), in place into out");
-  m.def("argmax_rows", &argmax_rows, "First index of each row's maximum (CPU, float32)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU, float32)");
-  m.def("rotary_inplace", &rotary_inplace, "Rotate-half rotary embedding of q and k, in place (CPU, float32)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)");
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, float32), in place into out",
+        release_gil());
+  m.def("argmax_rows", &argmax_rows, "First index of each row's maximum (CPU, float32)", release_gil());
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU, float32)", release_gil());
+  m.def("rotary_inplace", &rotary_inplace, "Rotate-half rotary embedding of q and k, in place (CPU, float32)",
+        release_gil());
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)", release_gil());
 }
