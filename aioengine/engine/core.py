@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import deque
 from typing import Any
 
@@ -24,6 +25,8 @@ from aioengine.scheduler.request import Request, RequestStatus
 from aioengine.scheduler.scheduler import RequestUpdate, Scheduler
 
 logger = logging.getLogger(__name__)
+
+_yield_gil = getattr(os, "sched_yield", lambda: None)  # releases the GIL and the CPU (not on Windows)
 
 
 class EngineCore:
@@ -185,6 +188,11 @@ class EngineCore:
         """Waits for the oldest step in flight and applies its outputs (workers run steps in order)."""
         sched, forward = self._inflight[0]
         output = await forward
+        if len(self._inflight) > 1:
+            # The worker finished this step and has the next one queued, but it woke this thread by
+            # finishing, and would wait for the GIL while the code below runs (1.2-1.5 ms a step on
+            # 2 cores). Yielding first lets it start the next step; the loop waits for that instead.
+            _yield_gil()
         self._inflight.popleft()
         self.num_steps += 1
         self.worker_seconds += output.forward_seconds
