@@ -4,6 +4,7 @@ undecodable ids, multi-byte characters and string prompts in the streamed text."
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from aioengine import AsyncEngine, RequestOutput, SamplingParams
+from aioengine.engine.outputs import IncrementalDetokenizer
 from aioengine.errors import InvalidRequestError, RequestTooLargeError
 from tests.helpers import TIMEOUT, final, stream, wait_until_idle
 
@@ -186,3 +188,15 @@ async def test_a_stop_id_beyond_the_vocabulary_with_min_tokens_does_not_break_th
     out = await final(llama_engine, [5, 6, 7], params)
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
     await llama_engine.check_health()
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_incremental_text_equals_decoding_all_ids_at_once(tokenizer, clean_up):
+    # Without clean-up the detokenizer calls the Rust backend directly; with it, transformers' decode.
+    tok = copy.deepcopy(tokenizer)
+    tok.clean_up_tokenization_spaces = clean_up
+    ids = [t for t in range(3, 400, 7)] + [tok.eos_token_id, 200, 201]
+    detok = IncrementalDetokenizer(tok, [], False, True)
+    streamed = "".join(detok.add([t], finished=i == len(ids) - 1)[0] for i, t in enumerate(ids))
+    assert (detok._backend is None) == clean_up
+    assert streamed == detok.text == tok.decode(ids, skip_special_tokens=True)

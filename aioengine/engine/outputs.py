@@ -45,9 +45,17 @@ class IncrementalDetokenizer:
         self.sent = 0  # characters of text already streamed
         self._prefix_offset = 0
         self._read_offset = 0
+        # A fast tokenizer's decode is its Rust backend's plus an optional clean-up pass; without the
+        # clean-up, calling the backend directly gives the same text in a third of the time.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = None if getattr(tokenizer, "clean_up_tokenization_spaces", True) else backend
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special) if ids else ""
+        if not ids:
+            return ""
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def add(self, token_ids: list[int], finished: bool) -> tuple[str, str | None]:
         """Feeds new ids; returns (delta text to stream now, the stop string hit or None)."""
