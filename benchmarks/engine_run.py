@@ -5,7 +5,6 @@ kept aside so ``floors.py`` can replay exactly those batch shapes on the worker.
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import time
 from collections.abc import Callable
@@ -62,21 +61,20 @@ async def stream_tokens(engine: AsyncEngine, req: BenchRequest, on_output: Calla
     return count
 
 
-def _copy_step(sched: SchedulerOutput) -> SchedulerOutput:
-    """A copy to replay later. Its own lists, since the scheduler grows block tables after the step;
-    placeholders (async scheduling) become token 0, as a replay has no previous step to take them from."""
-    reqs = [copy.copy(r) for r in sched.requests]
-    for r in reqs:
-        r.token_ids = [0 if t == PLACEHOLDER_TOKEN_ID else t for t in r.token_ids]
-        r.block_ids = list(r.block_ids)
+def replayable(sched: SchedulerOutput) -> SchedulerOutput:
+    """``sched`` with its placeholders (async scheduling) as token 0: a replay has no previous step to
+    take them from, and which token a row computes does not change its cost."""
+    reqs = [dataclasses.replace(r, token_ids=[0 if t == PLACEHOLDER_TOKEN_ID else t for t in r.token_ids])
+            if PLACEHOLDER_TOKEN_ID in r.token_ids else r for r in sched.requests]  # fmt: skip
     return dataclasses.replace(sched, requests=reqs)
 
 
 class StepRecorder:
-    """Keeps a copy of every SchedulerOutput passed to ``executor.execute_model`` inside the block.
+    """Keeps every SchedulerOutput passed to ``executor.execute_model`` inside the block.
 
     Wraps the bound method on the instance (restored on exit) and calls through unchanged, so the
-    engine runs as it would; the cost is two list copies per request per step.
+    engine runs as it would. It keeps references only: the scheduler builds each step's requests
+    and their lists anew and nothing changes them afterwards (tests/test_async_scheduling.py checks that).
     """
 
     def __init__(self, executor: Any) -> None:
@@ -87,7 +85,7 @@ class StepRecorder:
         original = self.executor.execute_model
 
         def recording(sched: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
-            self.steps.append(_copy_step(sched))
+            self.steps.append(sched)
             return original(sched, *args, **kwargs)
 
         self.executor.execute_model = recording

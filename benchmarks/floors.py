@@ -22,6 +22,7 @@ from aioengine.engine.async_engine import AsyncEngine
 from aioengine.executor.base import execute_and_sample
 from aioengine.messages import SchedulerOutput
 from benchmarks.cpu_load import CpuLoad
+from benchmarks.engine_run import replayable
 from benchmarks.results import Floors
 
 
@@ -77,7 +78,7 @@ async def measure_floors(engine: AsyncEngine, steps: list[SchedulerOutput]) -> F
         return None
     shapes = [(s.num_tokens, sum(1 for r in s.requests if r.sample)) for s in steps]
     with CpuLoad() as load:
-        replay = await engine.collective_rpc(replay_steps, (steps,), unique_reply_rank=0)
+        replay = await engine.collective_rpc(replay_steps, ([replayable(s) for s in steps],), unique_reply_rank=0)
         gemm = await engine.collective_rpc(gemm_steps, (shapes,), unique_reply_rank=0)
     prefill = [i for i, s in enumerate(steps) if _is_prefill(s)]
     return Floors(

@@ -3,7 +3,8 @@
     python -m benchmarks throughput [--requests 64] [--model tiny|small] [--out bench_out/]
 
 Systems, in one process, one after the other: aioengine (every request submitted at once), HF
-``generate`` in static left-padded batches of 8, 32 and 64, and HF's own continuous batching. Then
+``generate`` in static left-padded batches of 8, 32 and 64, and HF's own continuous batching, each
+run ``--repeats`` times (default 3; a shared machine is noisy) and reported by its median run. Then
 two floors for aioengine's steps (replayed on the worker; GEMMs alone) and aioengine online under
 Poisson arrivals at three shares of its offline request rate. Workload and models: workload.py.
 Writes a markdown table to stdout, and JSON + PNG under --out.
@@ -13,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import functools
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import transformers
@@ -41,8 +45,12 @@ async def run_engine(path: Path, reqs: list[BenchRequest], args: argparse.Namesp
     """One engine for the offline run, its floors, then the online rates (which need the offline rate)."""
     config = engine_config(path, reqs, args.max_num_seqs, args.max_batched_tokens)
     async with AsyncEngine(config) as engine:
-        run = await run_offline(engine, reqs)
-        log(f"aioengine: {run.result.tokens_per_s:.1f} tok/s, {run.num_steps} steps in {run.wall:.2f}s")
+        runs = []
+        for _ in range(args.repeats):
+            runs.append(await run_offline(engine, reqs))
+            log(f"aioengine: {runs[-1].result.tokens_per_s:.1f} tok/s, {runs[-1].num_steps} steps in {runs[-1].wall:.2f}s")
+        run = median(runs, lambda r: r.wall)
+        run = dataclasses.replace(run, result=with_spread(run.result, [r.result for r in runs]))
         floors = await measure_floors(engine, run.steps)
         if floors is not None:
             log(f"floors: replay {floors.replay_seconds:.2f}s, GEMMs {floors.gemm_seconds:.2f}s")
@@ -57,14 +65,39 @@ async def run_engine(path: Path, reqs: list[BenchRequest], args: argparse.Namesp
 
 def run_hf(path: Path, reqs: list[BenchRequest], args: argparse.Namespace) -> list[SystemResult]:
     """The HF systems, after the engine has shut down (each loads its own model copy)."""
-    systems = []
-    for batch_size in args.hf_batch_sizes:
-        systems.append(hf_baselines.run_hf_static(path, reqs, batch_size))
-        log(f"{systems[-1].name}: {systems[-1].tokens_per_s:.1f} tok/s")
+    runs: list[Callable[[], SystemResult]] = [
+        functools.partial(hf_baselines.run_hf_static, path, reqs, batch_size) for batch_size in args.hf_batch_sizes
+    ]
     if args.hf_cb:
-        systems.append(hf_baselines.run_hf_continuous(path, reqs, args.max_batched_tokens, args.max_num_seqs))
-        log(f"{systems[-1].name}: {systems[-1].tokens_per_s or 0:.1f} tok/s {systems[-1].note}")
+        runs.append(functools.partial(hf_baselines.run_hf_continuous, path, reqs, args.max_batched_tokens,
+                                      args.max_num_seqs))  # fmt: skip
+    systems = []
+    for run in runs:
+        results = []
+        for _ in range(args.repeats):
+            results.append(run())
+            log(f"{results[-1].name}: {results[-1].tokens_per_s or 0:.1f} tok/s {results[-1].note}")
+            if results[-1].tokens_per_s is None:
+                break  # not available: no point in trying again
+        systems.append(with_spread(median(results, lambda r: r.seconds or 0.0), results))
     return systems
+
+
+T = TypeVar("T")
+
+
+def median(runs: list[T], key: Callable[[T], float]) -> T:
+    """The run in the middle by ``key`` (the slower of the middle two for an even count)."""
+    return sorted(runs, key=key)[len(runs) // 2]
+
+
+def with_spread(chosen: SystemResult, runs: list[SystemResult]) -> SystemResult:
+    """``chosen`` with a note of how its repeats spread, when there were several."""
+    rates = [r.tokens_per_s for r in runs if r.tokens_per_s is not None]
+    if len(rates) < 2:
+        return chosen
+    spread = f"median of {len(rates)} runs ({min(rates):.0f}-{max(rates):.0f} tok/s)"
+    return dataclasses.replace(chosen, note="; ".join(n for n in (chosen.note, spread) if n))
 
 
 def _floats(text: str) -> list[float]:
@@ -86,6 +119,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batched-tokens", type=int, default=512)
     parser.add_argument("--hf-batch-sizes", type=_ints, default=[8, 32, 64], help="comma separated; empty: none")
     parser.add_argument("--no-hf-cb", dest="hf_cb", action="store_false", help="skip HF continuous batching")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="offline runs of every system; each reports its median run")  # fmt: skip
     parser.add_argument("--online-requests", type=int, default=32, help="requests per online rate; 0: no online")
     parser.add_argument("--rates", type=_floats, default=[0.25, 0.5, 0.9],
                         help="online arrival rates as shares of the offline request rate")  # fmt: skip

@@ -7,6 +7,7 @@ steps overlap, and only come out right if placeholders, output indices and dropp
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 
 from aioengine.messages import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
@@ -114,3 +115,14 @@ def test_an_output_in_flight_never_reaches_a_new_request_under_the_same_id():
     assert again.output_token_ids == [] and again.num_placeholders == 1
     s.update_from_output(new_prefill, fake_output(new_prefill))
     assert again.output_token_ids == [FIRST_TOKEN]
+
+
+def test_a_scheduled_step_stays_as_it_was_sent_while_later_steps_grow_the_request():
+    # Workers (and the benchmark's replay) may hold a step after the scheduler moved on.
+    s = make_scheduler(block_size=4)
+    s.add_request(make_request("r", 3, max_tokens=9))
+    first = s.schedule()
+    sent = copy.deepcopy(first)
+    s.update_from_output(first, fake_output(first))
+    drive_pipelined(s)  # the block table grows three times, tokens are appended
+    assert first == sent

@@ -74,6 +74,7 @@ def load() -> ModuleType | None:
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load as load_extension
 
+    logger.info("loading aioengine's CPU kernels (the first run on a machine builds them: about 30 s)")
     start = time.perf_counter()
     module = load_extension(f"aioengine_cpu_kernels_{_cpu_fingerprint()}", [str(p) for p in _SOURCES],
                             extra_cflags=_CFLAGS, verbose=False)  # fmt: skip
