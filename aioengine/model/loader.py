@@ -145,6 +145,7 @@ class WeightPlan:
         self.filled: dict[str, set[tuple[int, int]]] = {name: set() for name in self.params}  # (offset, rows)
         self.targets: dict[str, WeightTarget | None] = {}
         """Checked names -> where each goes (None: skipped)."""
+        self._marked_changed = False
 
     def check(self, name: str, shape: Iterable[int], dtype: torch.dtype) -> WeightTarget | None:
         """Where ``name`` goes (None: a tensor to skip); raises CheckpointError naming the tensor."""
@@ -169,8 +170,11 @@ class WeightPlan:
         return target
 
     def destination(self, target: WeightTarget) -> torch.Tensor:
-        """The tensor to ``copy_`` the checked tensor into. Marks the model's derived weights stale."""
-        self.model.weights_changed()
+        """The tensor to ``copy_`` the checked tensor into. Marks the model's derived weights stale (once:
+        no forward runs between the writes of one plan, so nothing rebuilds them meanwhile)."""
+        if not self._marked_changed:
+            self.model.weights_changed()
+            self._marked_changed = True
         data = self.params[target.param].data
         return data if target.size is None else data.narrow(0, target.offset, target.size)
 
