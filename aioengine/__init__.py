@@ -1,11 +1,40 @@
-"""aioengine: an asyncio-native LLM inference engine to embed in your own process."""
+"""aioengine: an asyncio-native LLM inference engine to embed in your own process.
 
-from aioengine.config import EngineConfig
-from aioengine.engine.async_engine import AsyncEngine
-from aioengine.engine.outputs import RequestOutput
-from aioengine.engine.pool import EnginePool
-from aioengine.engine.sync import Engine
-from aioengine.sampling.params import SamplingParams
+The public names load on first use, so that importing a lower layer (``aioengine.worker``, in a
+worker process) does not load the asyncio side, and ``aioengine.scheduler`` does not load torch.
+"""
 
-__all__ = ["AsyncEngine", "Engine", "EngineConfig", "EnginePool", "RequestOutput", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aioengine.config import EngineConfig
+    from aioengine.engine.async_engine import AsyncEngine, EngineStats
+    from aioengine.engine.outputs import RequestOutput
+    from aioengine.engine.pool import EnginePool
+    from aioengine.engine.sync import Engine
+    from aioengine.sampling.params import SamplingParams
+
+_EXPORTS = {
+    "AsyncEngine": "aioengine.engine.async_engine",
+    "Engine": "aioengine.engine.sync",
+    "EngineConfig": "aioengine.config",
+    "EnginePool": "aioengine.engine.pool",
+    "EngineStats": "aioengine.engine.async_engine",
+    "RequestOutput": "aioengine.engine.outputs",
+    "SamplingParams": "aioengine.sampling.params",
+}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aioengine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -105,7 +105,7 @@ class CacheConfig(_Section):
 
     block_size: int = Field(16, description="Tokens per KV cache block: a power of two from 1 to 256.")
     num_blocks: int | None = Field(
-        None, ge=1, description="Number of KV cache blocks. None uses the count profiled from memory."
+        None, ge=1, description="Number of KV cache blocks (one of them is the null block). None: sized from memory."
     )
     kv_cache_memory_bytes: int | None = Field(
         None,
@@ -119,9 +119,6 @@ class CacheConfig(_Section):
         description="Fraction of device memory (0 < x <= 1) the engine may use on CUDA, KV cache included.",
     )
     cache_dtype: DType = Field("auto", description="KV cache dtype. 'auto' uses the model dtype.")
-    enable_prefix_caching: bool = Field(
-        False, description="Reuse KV blocks of shared prompt prefixes. Reserved: not implemented yet."
-    )
 
     @field_validator("block_size")
     @classmethod

@@ -26,6 +26,19 @@ class CheckpointError(AIOEngineError, ValueError):
     """The checkpoint directory is incomplete or its tensors do not match the model."""
 
 
+class ConfigurationError(AIOEngineError, ValueError):
+    """The engine cannot start as configured: no memory for the KV cache, an executor backend that is
+    not built yet, tensor parallelism on the thread executor, ... The message names the setting."""
+
+
+class EngineStateError(AIOEngineError, RuntimeError):
+    """The engine is alive but cannot do this now: asleep, paused, or its weights were discarded.
+
+    The message says which state is in the way and the call that leaves it (``wake_up()``,
+    ``reload_weights()``, ...); nothing was changed.
+    """
+
+
 class EngineDeadError(AIOEngineError, RuntimeError):
     """The engine stopped (shut down, or its worker failed); it takes no more requests."""
 

@@ -70,7 +70,7 @@ def replayable(sched: SchedulerOutput) -> SchedulerOutput:
 
 
 class StepRecorder:
-    """Keeps every SchedulerOutput passed to ``executor.execute_model`` inside the block.
+    """Keeps every SchedulerOutput passed to ``executor.submit_step`` inside the block.
 
     Wraps the bound method on the instance (restored on exit) and calls through unchanged, so the
     engine runs as it would. It keeps references only: the scheduler builds each step's requests
@@ -82,17 +82,17 @@ class StepRecorder:
         self.steps: list[SchedulerOutput] = []
 
     def __enter__(self) -> StepRecorder:
-        original = self.executor.execute_model
+        original = self.executor.submit_step
 
         def recording(sched: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
             self.steps.append(sched)
             return original(sched, *args, **kwargs)
 
-        self.executor.execute_model = recording
+        self.executor.submit_step = recording
         return self
 
     def __exit__(self, *exc: object) -> None:
-        del self.executor.execute_model  # the instance attribute; the class's method shows again
+        del self.executor.submit_step  # the instance attribute; the class's method shows again
 
 
 async def run_offline(engine: AsyncEngine, reqs: list[BenchRequest]) -> EngineRun:
@@ -109,13 +109,13 @@ async def run_offline(engine: AsyncEngine, reqs: list[BenchRequest]) -> EngineRu
     after = engine.stats()
     short = sum(1 for c, r in zip(counts, reqs) if c != r.max_tokens)
     note = f"{short} requests got a different token count" if short else "all requests submitted at once"
-    steps = after["num_steps"] - before["num_steps"]
-    if len(recorder.steps) != steps:  # the engine no longer steps through executor.execute_model
+    steps = after.num_steps - before.num_steps
+    if len(recorder.steps) != steps:  # the engine no longer steps through executor.submit_step
         recorder.steps.clear()
     return EngineRun(
         result=SystemResult("aioengine", output_tokens(reqs) / wall, wall, note, load.others),
         wall=wall,
-        worker_seconds=after["worker_seconds"] - before["worker_seconds"],
+        worker_seconds=after.worker_seconds - before.worker_seconds,
         num_steps=steps,
         loop_lag_p99=lag.p99(),
         idle_loop_lag_p99=idle.p99(),

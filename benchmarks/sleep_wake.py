@@ -48,11 +48,10 @@ async def run(path: Path, device: str, num_blocks: int) -> list[tuple[str, float
         for level in (1, 2):
             slept = await engine.sleep(level)
             woke = await engine.wake_up()
+            wake_seconds = woke.seconds
             if level == 2:
-                reload = await engine.reload_weights()
-                woke["seconds"] += reload["seconds"]
-            nbytes = sum(slept["freed_bytes"].values())
-            rows.append((f"level {level}", slept["seconds"], woke["seconds"], nbytes))
+                wake_seconds += (await engine.reload_weights()).seconds
+            rows.append((f"level {level}", slept.seconds, wake_seconds, slept.freed_bytes.total))
     return rows
 
 

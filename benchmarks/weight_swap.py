@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from aioengine.engine.control import WeightUpdateReport
 from aioengine import AsyncEngine, EngineConfig, SamplingParams
 from aioengine.model.loader import checkpoint_files
 from aioengine.testing import build_checkpoint
@@ -94,16 +95,18 @@ def disk_floors(path: Path) -> tuple[float, float, int]:
     return best_of(read_bytes), best_of(load_and_copy), nbytes
 
 
-async def swap(engine: AsyncEngine, streams: Streams, source: Path, **kwargs: Any) -> dict[str, Any]:
+async def swap(engine: AsyncEngine, streams: Streams, source: Path, **kwargs: Any) -> tuple[WeightUpdateReport, float]:
+    """The update's report and the longest gap between two outputs of any stream while it ran."""
     start = time.perf_counter()
     report = await engine.update_weights(source, **kwargs)
     end = time.perf_counter()
-    report["stream_gap"] = max(streams.gaps_within(start, end), default=float("nan"))
+    gap = max(streams.gaps_within(start, end), default=float("nan"))
     await asyncio.sleep(0.5)  # let the streams settle before the next measurement
-    return report
+    return report, gap
 
 
-async def run(a: Path, b: Path, device: str, num_streams: int) -> tuple[float, list[tuple[str, dict[str, Any]]]]:
+async def run(a: Path, b: Path, device: str,
+              num_streams: int) -> tuple[float, list[tuple[str, tuple[WeightUpdateReport, float]]]]:  # fmt: skip
     config = EngineConfig(model={"path": str(a)}, device={"device": device}, cache={"num_blocks": 256})
     async with AsyncEngine(config) as engine:
         streams = Streams()
@@ -142,9 +145,9 @@ def main() -> None:
     print(f"| read the same files' bytes (page cache warm) | - | {read_s:.3f} | {nbytes / read_s / 1e9:.2f} | - | - |")
     print(f"| load_file + copy_ into tensors, no engine (page cache warm) | - | {load_s:.3f} "
           f"| {nbytes / load_s / 1e9:.2f} | - | - |")  # fmt: skip
-    for name, r in rows:
-        print(f"| {name} | {r['tensors']} | {r['seconds']:.3f} | {r['bytes'] / r['seconds'] / 1e9:.2f} "
-              f"| {r['pause_seconds']:.3f} | {r['stream_gap']:.3f} |")  # fmt: skip
+    for name, (r, gap) in rows:
+        print(f"| {name} | {r.tensors} | {r.seconds:.3f} | {r.bytes / r.seconds / 1e9:.2f} "
+              f"| {r.pause_seconds:.3f} | {gap:.3f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -98,8 +98,8 @@ class InspectExtension:
             "weights_bytes": sum(_nbytes(p) for p in model.parameters()),  # parameters() lists a tied one once
             "buffers_bytes": sum(_nbytes(b) for b in model.buffers()),
             "kv_cache_bytes": cache.nbytes if cache is not None else 0,
-            "kv_cache_cpu_bytes": sum(_nbytes(t) for t in cache.cpu_cache) if cache is not None else 0,
-            "kv_blocks": cache.num_blocks if cache is not None else 0,
+            "kv_cache_host_pool_bytes": sum(_nbytes(t) for t in cache.host_cache) if cache is not None else 0,
+            "kv_blocks": cache.num_cache_blocks if cache is not None else 0,
             "kv_block_size": cache.block_size if cache is not None else 0,
             "process_rss_bytes": _proc_rss_bytes(),
             "cuda_allocated_bytes": None,
@@ -128,13 +128,13 @@ class InspectExtension:
             per_module[owner] = per_module.get(owner, 0) + param.numel()
         info = runner.model_info()
         return {
-            "architecture": info["architecture"],
-            "dtype": info["dtype"],
+            "architecture": info.architecture,
+            "dtype": info.dtype,
             "device": str(runner.device),
             "num_params": sum(per_module.values()),
-            "num_layers": info["num_layers"],
-            "vocab_size": info["vocab_size"],
-            "max_model_len": info["max_model_len"],
+            "num_layers": info.num_layers,
+            "vocab_size": info.vocab_size,
+            "max_model_len": info.max_model_len,
             "tie_word_embeddings": bool(getattr(model, "tie_word_embeddings", False)),
             "params_per_module": {name: count for name, count in per_module.items() if count},
         }

@@ -10,10 +10,13 @@ Two ways in, both ordered with the model steps because they run on the worker's 
   Everything binds to 127.0.0.1: the trainer runs on the same host.
 
 Names are Hugging Face checkpoint names (``q_proj`` ...); they go through the model's own name
-mapping (fused ``qkv_proj`` / ``gate_up_proj``). Parameters are written with ``copy_`` and never
-reallocated, so anything holding them (captured graphs, data pointers) stays valid. A batch is
-checked, name by name and shape by shape, before anything is written or received: a bad batch
-changes nothing.
+mapping (fused ``qkv_proj`` / ``gate_up_proj``). Both go through the worker's one weight write
+(``Worker.write_weights``): the same check as ``update_weights`` (names, shapes, dtypes, a name
+given twice, coverage unless partial) over the whole batch before anything is written or
+received, so a bad batch changes nothing; writes with ``copy_`` in place (captured graphs and data
+pointers stay valid); and a ``WorkerWeightsReport`` back, from which the engine takes the new
+``weights_version`` (outputs carry it) and, after a full push, knows that weights a level-2 sleep
+discarded are valid again.
 
 The trainer side needs only :func:`trainer_group`, :func:`weight_metadata` and
 :func:`broadcast_weights` (plain functions, no engine import).
@@ -30,8 +33,7 @@ import torch
 import torch.distributed as dist
 
 from aioengine.errors import AIOEngineError, CheckpointError
-from aioengine.model.loader import WeightPlan, load_weights
-from plugins.inspect import loaded_model
+from aioengine.messages import WorkerWeightsReport
 
 __all__ = [
     "LOOPBACK",
@@ -50,7 +52,6 @@ WeightMeta = tuple[str, str, list[int]]
 NamedTensors = Sequence[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
 
 _LOOPBACK_NAMES = (LOOPBACK, "localhost")
-_GROUP_ATTR = "_weight_sync_group"  # per-worker state lives on the instance: the mixin has no __init__
 
 
 # ---- shared by both sides ----------------------------------------------------------------------------
@@ -132,39 +133,36 @@ def broadcast_weights(group: Any, named_tensors: NamedTensors, src: int = 0) -> 
 
 
 # ---- engine side --------------------------------------------------------------------------------------
-def _check_batch(model: Any, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], partial: bool) -> None:
-    """The loader's own checks (names, shapes, dtypes, coverage) over the whole batch; writes nothing.
-
-    A name may repeat (the last one wins, as a trainer re-sending a tensor expects), so this is
-    WeightPlan without update_weights' duplicate rule.
-    """
-    plan = WeightPlan(model, strict=True, partial=partial)
-    try:
-        for name, shape, dtype in specs:
-            plan.check(name, shape, dtype)
-        plan.finish()
-    except CheckpointError as exc:
-        full = "" if partial else " (a full update, partial=False)"
-        raise CheckpointError(f"weight update refused{full}: {exc}; nothing was written") from exc
+def _refused(exc: CheckpointError, partial: bool) -> CheckpointError:
+    full = "" if partial else " (a full update, partial=False)"
+    return CheckpointError(f"weight update refused{full}: {exc}; nothing was written")
 
 
 class WeightSyncExtension:
-    """Worker mixin: receive weights from a trainer, in place, between model steps."""
+    """Worker mixin: receive weights from a trainer, in place, between model steps.
 
-    def load_weights_from_tensors(self, named_tensors: NamedTensors, partial: bool = True) -> int:
-        """Writes ``[(hf_name, tensor)]`` (or a dict) into the model; returns the tensors written.
+    Mixed into a ``Worker`` (it calls ``write_weights`` and reads ``device`` / ``rank`` of its host).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._weight_sync_group: tuple[dist.Store, Any, str] | None = None
+
+    def load_weights_from_tensors(self, named_tensors: NamedTensors, partial: bool = True) -> WorkerWeightsReport:
+        """Writes ``[(hf_name, tensor)]`` (or a dict) into the model; returns the worker's report.
 
         ``partial=False`` also requires every parameter to be covered. All names and shapes are
         checked first; a bad batch raises ``CheckpointError`` naming the tensor and writes nothing.
         """
-        model = loaded_model(self)
         pairs = _as_pairs(named_tensors)
         for name, tensor in pairs:
             if not isinstance(tensor, torch.Tensor):
                 raise CheckpointError(f"weight update {name!r} is a {type(tensor).__name__}, not a tensor")
-        _check_batch(model, ((name, tuple(t.shape), t.dtype) for name, t in pairs), partial)
-        with torch.no_grad():
-            return load_weights(model, pairs, strict=True, partial=partial)
+        specs = [(name, tuple(t.shape), t.dtype) for name, t in pairs]
+        try:
+            return self.write_weights(specs, lambda: iter(pairs), partial=partial)  # type: ignore[attr-defined,no-any-return]
+        except CheckpointError as exc:
+            raise _refused(exc, partial) from exc
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank: int, world_size: int,
                                  backend: str = "gloo", timeout_s: float = 60.0) -> None:  # fmt: skip
@@ -177,27 +175,26 @@ class WeightSyncExtension:
         if master_address not in _LOOPBACK_NAMES:
             raise AIOEngineError(f"weight sync binds to {LOOPBACK} only, so the trainer must run on this host; "
                                  f"got master_address={master_address!r}")  # fmt: skip
-        if getattr(self, _GROUP_ATTR, None) is not None:
+        if self._weight_sync_group is not None:
             raise AIOEngineError("a weight update group is already open; call close_weight_update_group first")
         if backend == "nccl" and self.device.type != "cuda":  # type: ignore[attr-defined]
             raise AIOEngineError("backend 'nccl' needs the engine on a CUDA device; use backend='gloo'")
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(LOOPBACK, master_port, world_size, is_master=False, timeout=timeout)
         group = _make_group(store, rank + self.rank, world_size, backend, timeout)  # type: ignore[attr-defined]
-        setattr(self, _GROUP_ATTR, (store, group, backend))
+        self._weight_sync_group = (store, group, backend)
 
-    def receive_weights(self, metadata: Sequence[WeightMeta], src: int = 0, partial: bool = True) -> int:
+    def receive_weights(self, metadata: Sequence[WeightMeta], src: int = 0, partial: bool = True) -> WorkerWeightsReport:
         """Receives the tensors ``metadata`` describes, in its order, writing each in place.
 
         Names and shapes are checked against the model before anything is written: a bad batch is
         still received (so the trainer's broadcast completes) but dropped, and ``CheckpointError``
-        names the tensor. Peak extra memory is one tensor. Returns the number of tensors written.
+        names the tensor. Peak extra memory is one tensor. Returns the worker's report.
         """
-        state = getattr(self, _GROUP_ATTR, None)
+        state = self._weight_sync_group
         if state is None:
             raise AIOEngineError("no weight update group; call init_weight_update_group first")
         _, group, backend = state
-        model = loaded_model(self)
         specs = [(name, _dtype(dtype), tuple(int(d) for d in shape)) for name, dtype, shape in metadata]
         on = self.device if backend == "nccl" else torch.device("cpu")  # type: ignore[attr-defined]
 
@@ -208,19 +205,17 @@ class WeightSyncExtension:
                 yield name, buf
 
         try:
-            _check_batch(model, ((name, shape, dtype) for name, dtype, shape in specs), partial)
-        except CheckpointError:
-            # Still take the broadcast (and drop it): the trainer does not hang, the group stays usable.
+            return self.write_weights([(n, s, d) for n, d, s in specs], received, partial=partial)  # type: ignore[attr-defined,no-any-return]
+        except CheckpointError as exc:
+            # Checked before the first receive: still take the broadcast (and drop it), so the trainer
+            # does not hang and the group stays usable.
             for _ in received():
                 pass
-            raise
-        with torch.no_grad():
-            return load_weights(model, received(), strict=True, partial=partial)
+            raise _refused(exc, partial) from exc
 
     def close_weight_update_group(self) -> None:
         """Leaves the group and drops its store connection; safe to call when none is open."""
-        state = getattr(self, _GROUP_ATTR, None)
-        setattr(self, _GROUP_ATTR, None)
+        state, self._weight_sync_group = self._weight_sync_group, None
         if state is not None and hasattr(state[1], "shutdown"):
             # Both sides pass a barrier first: a peer that tears its sockets down while the other is
             # still finishing makes gloo call std::terminate in the slower process.

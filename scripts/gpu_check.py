@@ -35,7 +35,7 @@ def step_times(path: Path) -> tuple[float, dict[int, tuple[float, float]]]:
     worker = CUDAWorker(config(path, eager=False))
     worker.init_device()
     worker.load_model()
-    worker.initialize_from_config(KVCacheConfig(num_blocks=2048, block_size=16))
+    worker.initialize_from_config(KVCacheConfig(num_cache_blocks=2048, block_size=16))
     runner = worker.model_runner
     assert runner is not None and runner.decode_runner is not None
     capture = runner.capture_model()
@@ -99,14 +99,15 @@ async def sleep_check(path: Path, prompts: list[list[int]]) -> list[tuple[str, s
             slept = await engine.sleep(level)
             free1 = torch.cuda.mem_get_info()[0]
             woke = await engine.wake_up()
+            wake_seconds = woke.seconds
             if level == 2:
-                woke["seconds"] += (await engine.reload_weights())["seconds"]
+                wake_seconds += (await engine.reload_weights()).seconds
             graphs = await engine.collective_rpc(lambda w: len(w.model_runner.decode_runner.graphs), unique_reply_rank=0)
             same = await greedy_outputs(engine, prompts, 16) == before
             rows.append((f"sleep level {level}: device memory freed", f"{(free1 - free0) / 2**20:.0f} MiB "
-                         f"(reported {sum(slept['freed_bytes'].values()) / 2**20:.0f} MiB)"))
-            rows.append((f"sleep level {level}: sleep / wake s", f"{slept['seconds']:.3f} / {woke['seconds']:.3f} "
-                         f"(graph recapture {woke.get('graph_capture_seconds', 0):.2f} s)"))
+                         f"(reported {slept.freed_bytes.total / 2**20:.0f} MiB)"))
+            rows.append((f"sleep level {level}: sleep / wake s", f"{slept.seconds:.3f} / {wake_seconds:.3f} "
+                         f"(graph recapture {woke.graph_capture_seconds:.2f} s)"))
             rows.append((f"sleep level {level}: outputs after wake identical, graphs live", f"{same}, {graphs} graphs"))
     return rows
 

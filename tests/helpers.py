@@ -38,9 +38,9 @@ async def wait_until_idle(engine: AsyncEngine, timeout: float = 5.0) -> dict[str
     while True:
         stats = engine.stats()
         if (
-            stats["kv_blocks_free"] == stats["kv_blocks_total"]
-            and stats["requests_running"] == 0
-            and stats["requests_waiting"] == 0
+            stats.kv_blocks_free == stats.kv_blocks_total
+            and stats.requests_running == 0
+            and stats.requests_waiting == 0
         ):
             return stats
         if loop.time() > deadline:

@@ -73,7 +73,7 @@ def test_a_request_whose_step_in_flight_reaches_max_tokens_is_not_scheduled_agai
 
 
 def test_pipelined_steps_give_the_outputs_of_one_step_at_a_time():
-    s = make_scheduler(num_blocks=24, max_num_batched_tokens=16)  # small: chunking and preemption both happen
+    s = make_scheduler(num_cache_blocks=24, max_num_batched_tokens=16)  # small: chunking and preemption both happen
     requests = [make_request(f"r{i}", 3 + 7 * i % 30, max_tokens=4 + i % 5) for i in range(10)]
     for r in requests:
         s.add_request(r)
@@ -85,7 +85,7 @@ def test_pipelined_steps_give_the_outputs_of_one_step_at_a_time():
 
 
 def test_a_preempted_request_drops_the_token_of_its_step_in_flight_and_recomputes_it():
-    s = make_scheduler(num_blocks=3, block_size=4, max_num_batched_tokens=16)  # 2 usable blocks
+    s = make_scheduler(num_cache_blocks=3, block_size=4, max_num_batched_tokens=16)  # 2 usable blocks
     old = make_request("old", 4, max_tokens=3)
     young = make_request("young", 3, max_tokens=3)
     s.add_request(old)

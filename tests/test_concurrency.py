@@ -58,7 +58,7 @@ def make_specs(rng: random.Random) -> list[Spec]:
 class LoopLagMeter:
     """Sleeps TICK in a loop and records how late each wake-up is.
 
-    It also wraps the executor's execute_model to count the ticks during each forward: on a free
+    It also wraps the executor's submit_step to count the ticks while each step is out: on a free
     loop the ticker wakes about every TICK while a forward runs, but a forward computed on the
     loop thread would let it wake at most once per forward, however long that took.
     """
@@ -70,20 +70,23 @@ class LoopLagMeter:
         self._forward: int | None = None
         executor = engine.executor
         assert executor is not None
-        execute = executor.execute_model
+        submit = executor.submit_step
 
-        async def tracked(scheduler_output: Any) -> Any:
+        def tracked(scheduler_output: Any) -> Any:
             loop = asyncio.get_running_loop()
             start = loop.time()
             self._forward = len(self.ticks_per_forward)
             self.ticks_per_forward.append(0)
-            try:
-                return await execute(scheduler_output)
-            finally:
+
+            def done(_: Any) -> None:
                 self._forward = None
                 self.forward_seconds.append(loop.time() - start)
 
-        executor.execute_model = tracked  # type: ignore[method-assign]
+            future = submit(scheduler_output)
+            future.add_done_callback(done)
+            return future
+
+        executor.submit_step = tracked  # type: ignore[method-assign]
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -162,8 +165,8 @@ async def storm(llama_ckpt) -> AsyncIterator[Storm]:
             cancelled=[s for s, r in zip(specs, results) if isinstance(r, asyncio.CancelledError)],
             errors=[r for r in results if r is not None and not isinstance(r, asyncio.CancelledError)],
             meter=meter,
-            steps=after["num_steps"] - before["num_steps"],
-            generated_tokens=after["num_generated_tokens"] - before["num_generated_tokens"],
+            steps=after.num_steps - before.num_steps,
+            generated_tokens=after.num_generated_tokens - before.num_generated_tokens,
         )
 
 

@@ -208,7 +208,7 @@ def test_packed_linear_follows_a_swap_of_its_weight_storage(linear: Linear) -> N
 
 def test_weights_changed_drops_every_packed_copy_and_the_next_forward_rebuilds_them(llama_ckpt: Path) -> None:
     runner = ModelRunner(engine_config(llama_ckpt), torch.device("cpu"))
-    runner.load_model()
+    runner.load_model(str(llama_ckpt))
     assert runner.model is not None
     layers = [m for m in runner.model.modules() if isinstance(m, Linear)]
     assert layers and all(m._packed is not None for m in layers)

@@ -55,7 +55,7 @@ async def test_empty_prompt_is_refused(llama_engine, prompt):
 
 @pytest.mark.parametrize("bad_id", [-1, "vocab"], ids=["negative", "vocab-size"])
 async def test_token_id_outside_the_vocabulary_is_refused(llama_engine, bad_id):
-    vocab = llama_engine.model_info["vocab_size"]
+    vocab = llama_engine.model_info.vocab_size
     bad_id = vocab if bad_id == "vocab" else bad_id
     await refused_while_another_runs(
         llama_engine,
@@ -115,7 +115,7 @@ async def test_bad_sampling_params_are_refused_naming_the_field(llama_engine, pa
 
 
 async def test_undecodable_prompt_ids_stream_valid_text(llama_engine, tokenizer):
-    prompt = list(range(len(tokenizer), llama_engine.model_info["vocab_size"]))[:24]
+    prompt = list(range(len(tokenizer), llama_engine.model_info.vocab_size))[:24]
     assert prompt, "the test model's vocab must be larger than the tokenizer's"
     params = SamplingParams(temperature=1.5, seed=7, max_tokens=48, ignore_eos=True)
     outputs = await stream(llama_engine, prompt, params)
@@ -183,7 +183,7 @@ async def test_string_prompt_generates_like_its_token_ids(llama_engine, tokenize
 
 
 async def test_a_stop_id_beyond_the_vocabulary_with_min_tokens_does_not_break_the_engine(llama_engine):
-    vocab = llama_engine.model_info["vocab_size"]
+    vocab = llama_engine.model_info.vocab_size
     params = SamplingParams(max_tokens=4, min_tokens=2, temperature=0.0, stop_token_ids=[vocab + 5])
     out = await final(llama_engine, [5, 6, 7], params)
     assert len(out.token_ids) == 4 and out.finish_reason == "length"

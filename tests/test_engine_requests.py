@@ -69,10 +69,10 @@ async def test_seeded_tokens_do_not_depend_on_the_batch(llama_engine):
     await asyncio.gather(*others)
 
     # Submitted last, while the neighbours are already decoding.
-    baseline = llama_engine.stats()["num_generated_tokens"]
+    baseline = llama_engine.stats().num_generated_tokens
     others = [asyncio.create_task(final(llama_engine, p, sp)) for p, sp in other_requests()]
     async with asyncio.timeout(30):
-        while llama_engine.stats()["num_generated_tokens"] < baseline + len(others):
+        while llama_engine.stats().num_generated_tokens < baseline + len(others):
             await asyncio.sleep(0.005)
     joined = await final(llama_engine, PROMPT, params)
     await asyncio.gather(*others)
@@ -221,7 +221,7 @@ async def test_cancelling_the_consuming_task_frees_the_request(llama_engine):
     task = asyncio.create_task(consume())
     async with asyncio.timeout(TIMEOUT):
         await three.wait()
-    assert llama_engine.stats()["requests_running"] == 1
+    assert llama_engine.stats().requests_running == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -235,7 +235,7 @@ async def test_leaving_the_stream_early_and_closing_it_frees_the_request(llama_e
         n += 1
         if n == 3:
             break
-    assert llama_engine.stats()["requests_running"] == 1
+    assert llama_engine.stats().requests_running == 1
     await agen.aclose()
     await wait_until_idle(llama_engine)
 

@@ -80,13 +80,13 @@ def record_steps(engine: AsyncEngine) -> list[Any]:
     """Wraps the executor so every SchedulerOutput sent to the worker is kept for inspection."""
     assert engine.executor is not None
     steps: list[Any] = []
-    execute = engine.executor.execute_model
+    execute = engine.executor.submit_step
 
     def recording(sched: Any) -> Any:
         steps.append(sched)
         return execute(sched)
 
-    engine.executor.execute_model = recording  # type: ignore[method-assign]
+    engine.executor.submit_step = recording  # type: ignore[method-assign]
     return steps
 
 
@@ -126,8 +126,8 @@ async def test_concurrent_greedy_matches_hf_generate(
         got = await engine_greedy(engine, PROMPTS)
         stats = engine.stats()
         assert_same_tokens(got, want)
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        assert stats["requests_running"] == 0 and stats["requests_waiting"] == 0
+        assert stats.kv_blocks_free == stats.kv_blocks_total
+        assert stats.requests_running == 0 and stats.requests_waiting == 0
 
     assert max(len(s.requests) for s in steps) > 1, "requests never shared a step"
     budget = CONFIGS[config].get("scheduler", {}).get("max_num_batched_tokens", 512)
@@ -135,11 +135,11 @@ async def test_concurrent_greedy_matches_hf_generate(
     if config == "chunked":
         # Each request computes its prompt and all but its last output token; 48 a step at most.
         total = sum(len(p) + NEW_TOKENS - 1 for p in PROMPTS)
-        assert stats["num_steps"] >= math.ceil(total / SMALL_BUDGET)
+        assert stats.num_steps >= math.ceil(total / SMALL_BUDGET)
         continued = [r for s in steps for r in s.requests if r.start_pos > 0 and len(r.token_ids) > 1]
         assert continued, "no prefill chunk continued a prompt: chunked prefill did not happen"
     if config in ("preempt", "sync"):
-        assert stats["num_preemptions"] > 0
+        assert stats.num_preemptions > 0
     placeholders = any(PLACEHOLDER_TOKEN_ID in r.token_ids for s in steps for r in s.requests)
     assert placeholders == (config != "sync"), "async scheduling on exactly when configured"
 
@@ -155,7 +155,7 @@ async def test_greedy_matches_hf_generate_for_arch(
         got = await engine_greedy(engine, prompts)
         stats = engine.stats()
     assert_same_tokens(got, want)
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
 async def test_sharded_checkpoint_matches_hf_generate(

@@ -141,7 +141,7 @@ async def test_combined_class_offers_the_methods_of_both_extensions(
         name, tensor = hf_tensors(llama_ckpt)[0]
         written = await rpc(engine, "load_weights_from_tensors", [(name, tensor)])
         report = await rpc(engine, "memory_report")
-    assert written == 1
+    assert written.tensors == 1
     assert report["weights_bytes"] > 0
 
 
@@ -162,7 +162,8 @@ async def test_memory_report_counts_the_checkpoint_weights_and_the_kv_cache(
     async with make_engine(llama_ckpt, **with_extension("plugins.inspect.InspectExtension")) as engine:
         report = await rpc(engine, "memory_report")
     cfg = engine.model_info
-    block = 16 * cfg["num_layers"] * 2 * cfg["num_kv_heads"] * cfg["head_size"] * 4
+    assert cfg is not None
+    block = 16 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_size * 4
     assert report["rank"] == 0 and report["device"] == "cpu"
     assert report["weights_bytes"] == param_bytes(llama_ckpt)  # llama_ckpt is untied: every tensor is a parameter
     assert report["kv_blocks"] == 512
@@ -181,7 +182,7 @@ async def test_loading_checkpoint_b_tensors_gives_the_outputs_of_an_engine_on_b(
         written = await rpc(engine, "load_weights_from_tensors", tensors, partial=False)
         after = await greedy_outputs(engine)
     assert before != outputs_b  # else the comparison below shows nothing
-    assert written == len(tensors)
+    assert written.tensors == len(tensors)
     assert after == outputs_b
 
 
@@ -224,7 +225,8 @@ async def test_a_bad_batch_raises_naming_the_tensor_and_changes_nothing(
     llama_ckpt: Path, ckpt_b: Path, make_engine: Callable[..., AsyncEngine],
     bad_name: str, bad_tensor: torch.Tensor, message: str,
 ) -> None:  # fmt: skip
-    batch = hf_tensors(ckpt_b) + [(bad_name, bad_tensor)]  # last: every good tensor comes before it
+    # Last, in place of the good one: every good tensor comes before it.
+    batch = [(n, t) for n, t in hf_tensors(ckpt_b) if n != bad_name] + [(bad_name, bad_tensor)]
     async with make_engine(llama_ckpt, **with_extension(Both)) as engine:
         outputs = await greedy_outputs(engine)
         before = await rpc(engine, "weight_checksums")
@@ -286,7 +288,7 @@ async def test_weights_broadcast_by_a_trainer_process_give_the_outputs_of_an_eng
                     trainer.kill()
                     await trainer.wait()
     assert trainer.returncode == 0, stderr.decode()
-    assert written == len(metadata)
+    assert written.tensors == len(metadata)
     assert outputs == outputs_b
 
 
@@ -294,7 +296,8 @@ async def test_a_rejected_broadcast_changes_nothing_and_keeps_the_group_in_step(
     llama_ckpt: Path, ckpt_b: Path, outputs_b: list[list[int]], make_engine: Callable[..., AsyncEngine]
 ) -> None:
     good = hf_tensors(ckpt_b)
-    bad = good[:-1] + [("model.layers.1.mlp.up_proj.weight", torch.zeros(3, 3))]  # the last one does not fit
+    bad_name = "model.layers.1.mlp.up_proj.weight"
+    bad = [(n, t) for n, t in good if n != bad_name] + [(bad_name, torch.zeros(3, 3))]  # the last one does not fit
     port = free_port()
     release = threading.Event()
     errors: list[BaseException] = []

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from aioengine import AsyncEngine, EnginePool, RequestOutput, SamplingParams
-from aioengine.errors import InvalidRequestError
+from aioengine.errors import ConfigurationError, InvalidRequestError
 from tests.conftest import engine_config
 from tests.helpers import last_output
 
@@ -34,7 +34,7 @@ def _pool(llama: Path, qwen2: Path, **kwargs: object) -> EnginePool:
 
 def _awake_engines(pool: EnginePool) -> int:
     # Ask the engines themselves, not the pool's bookkeeping.
-    return sum(1 for t in pool.tenants.values() if not t.engine._asleep)
+    return sum(1 for t in pool.tenants.values() if not t.engine.stats().sleeping)
 
 
 async def test_interleaved_requests_to_two_models_all_finish_and_never_both_awake(
@@ -43,7 +43,7 @@ async def test_interleaved_requests_to_two_models_all_finish_and_never_both_awak
     refs = {"llama": await _reference(llama_ckpt), "qwen2": await _reference(qwen2_ckpt)}
     pool = _pool(llama_ckpt, qwen2_ckpt)
     async with pool:
-        footprint = max(pool.stats()["footprints"].values())
+        footprint = max(pool.stats().footprints.values())
         assert footprint > 0
         pool.budget_bytes = int(footprint * 1.5)  # room for one model, not two
         peak = 0
@@ -63,7 +63,7 @@ async def test_interleaved_requests_to_two_models_all_finish_and_never_both_awak
         for (name, i), tokens in zip(jobs, results):
             assert tokens == refs[name][i], (name, i)
         assert peak == 1
-        assert pool.stats()["switches"] >= 2
+        assert pool.stats().switches >= 2
 
 
 async def test_max_awake_limits_awake_engines_without_a_budget(llama_ckpt: Path, qwen2_ckpt: Path) -> None:
@@ -101,6 +101,6 @@ async def test_unknown_model_name_is_refused_naming_the_known_ones(llama_ckpt: P
 
 async def test_a_model_larger_than_the_budget_is_refused_at_start(llama_ckpt: Path, qwen2_ckpt: Path) -> None:
     pool = _pool(llama_ckpt, qwen2_ckpt, budget_bytes=1024)
-    with pytest.raises(InvalidRequestError, match="budget"):
+    with pytest.raises(ConfigurationError, match="budget"):
         await pool.start()
     await pool.shutdown()

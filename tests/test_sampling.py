@@ -6,7 +6,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from aioengine.sampling import Sampler, SamplingMetadata, SamplingParams
+from aioengine.sampling.params import SamplingParams
+from aioengine.sampling.sampler import Sampler, SamplingMetadata
 
 sampler = Sampler()
 

@@ -27,7 +27,7 @@ def default_token(req: ScheduledRequest) -> int:
 
 
 def make_scheduler(
-    num_blocks: int = 64,
+    num_cache_blocks: int = 64,
     block_size: int = 4,
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 32,
@@ -35,7 +35,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
 ) -> Scheduler:
     return Scheduler(
-        num_blocks=num_blocks,
+        num_cache_blocks=num_cache_blocks,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -83,7 +83,7 @@ def drive(
 
 
 def assert_all_blocks_free(s: Scheduler) -> None:
-    assert s.kv.num_free_blocks == s.kv.num_blocks
+    assert s.kv.num_free_blocks == s.kv.num_usable_blocks
     assert s.num_running == 0 and s.num_waiting == 0 and not s.requests
 
 
@@ -178,7 +178,7 @@ def test_requests_are_admitted_in_arrival_order():
 
 def preemption_setup() -> tuple[Scheduler, Request, Request, Request]:
     """Two running requests that together need 6 blocks of a 4-block cache, and one waiting."""
-    s = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    s = make_scheduler(num_cache_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
     a, b, c = (make_request(name, 4, max_tokens=8) for name in "abc")
     for r in (a, b, c):
         s.add_request(r)
@@ -235,7 +235,7 @@ def test_preempted_requests_all_complete_and_every_block_returns():
 
 
 def test_many_requests_on_a_tiny_cache_all_complete():
-    s = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=8, max_num_batched_tokens=20)
+    s = make_scheduler(num_cache_blocks=10, block_size=4, max_num_seqs=8, max_num_batched_tokens=20)
     requests = [make_request(f"r{i}", 2 + i % 9, max_tokens=3 + i % 6) for i in range(30)]
     for r in requests:
         s.add_request(r)
@@ -250,30 +250,18 @@ def test_many_requests_on_a_tiny_cache_all_complete():
 
 
 def test_blocks_are_freed_when_a_request_finishes():
-    s = make_scheduler(num_blocks=16)
+    s = make_scheduler(num_cache_blocks=16)
     request = make_request("r", 9, max_tokens=2)
     s.add_request(request)
     step(s)
-    assert s.kv.num_free_blocks == s.kv.num_blocks - 3
+    assert s.kv.num_free_blocks == s.kv.num_usable_blocks - 3
     _, updates = step(s)
     assert updates[0].finished and request.status == RequestStatus.FINISHED_LENGTH
     assert_all_blocks_free(s)
 
 
-def test_finished_request_ids_are_announced_in_the_next_step():
-    s = make_scheduler()
-    s.add_request(make_request("done", 3, max_tokens=1))
-    s.add_request(make_request("other", 3, max_tokens=5))
-    first, _ = step(s)
-    assert first.finished_req_ids == []
-    second, _ = step(s)
-    assert second.finished_req_ids == ["done"]
-    third, _ = step(s)
-    assert third.finished_req_ids == []
-
-
 def test_finish_requests_frees_a_running_request():
-    s = make_scheduler(num_blocks=16)
+    s = make_scheduler(num_cache_blocks=16)
     request = make_request("r", 9, max_tokens=10)
     s.add_request(request)
     step(s)

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from safetensors import safe_open
 
+from aioengine.messages import TagBytes
 from aioengine import AsyncEngine, RequestOutput, SamplingParams
 from aioengine.errors import EngineDeadError
 from aioengine.testing import build_checkpoint
@@ -73,10 +74,10 @@ async def outputs_arrived(sink: list[RequestOutput], count: int = 1) -> None:
 
 async def assert_no_progress(engine: AsyncEngine, sink: list[RequestOutput]) -> None:
     """Watches for ``QUIET`` seconds: neither an output nor an engine step may happen."""
-    steps = engine.stats()["num_steps"]
+    steps = engine.stats().num_steps
     await asyncio.sleep(QUIET)
     assert sink == [], f"a request ran while the engine must not step: {sink[0]}"
-    assert engine.stats()["num_steps"] == steps
+    assert engine.stats().num_steps == steps
 
 
 def rss_bytes() -> int:
@@ -148,7 +149,7 @@ async def test_level_1_resident_memory_drops_by_the_kv_cache_and_rises_on_wake(
         asleep = rss_bytes()
         await engine.wake_up()
         woken = rss_bytes()
-    assert report["freed_bytes"]["kv_cache"] == kv
+    assert report.freed_bytes.kv_cache == kv
     assert awake - asleep >= 0.8 * kv, f"resident memory dropped {awake - asleep} bytes; the KV cache is {kv}"
     assert woken - asleep >= 0.8 * kv, f"resident memory rose {woken - asleep} bytes on wake; the KV cache is {kv}"
 
@@ -158,8 +159,8 @@ async def test_level_1_on_cpu_keeps_the_weights_in_host_memory_and_says_so(
 ) -> None:
     async with make_engine(llama_ckpt) as engine:
         report = await engine.sleep(level=1)
-    assert report["freed_bytes"] == {"weights": 0, "kv_cache": kv_cache_bytes(llama_ckpt, 512)}
-    assert any("host memory" in note for note in report["notes"]), report["notes"]
+    assert report.freed_bytes == TagBytes(weights=0, kv_cache=kv_cache_bytes(llama_ckpt, 512))
+    assert any("host memory" in note for note in report.notes), report.notes
 
 
 async def test_level_2_resident_memory_drops_by_kv_cache_and_weights_and_rises_on_wake_and_reload(
@@ -173,7 +174,7 @@ async def test_level_2_resident_memory_drops_by_kv_cache_and_weights_and_rises_o
         await engine.wake_up()
         await engine.reload_weights()
         reloaded = rss_bytes()
-    assert report["freed_bytes"] == {"weights": weights, "kv_cache": kv}
+    assert report.freed_bytes == TagBytes(weights=weights, kv_cache=kv)
     assert awake - asleep >= 0.8 * (kv + weights), (
         f"resident memory dropped {awake - asleep} bytes; KV cache {kv} + weights {weights}"
     )
@@ -202,7 +203,7 @@ async def test_wake_up_rejects_an_unknown_tag_by_name_and_changes_nothing(engine
     await engine.sleep(level=1)
     with pytest.raises(ValueError, match="bogus"):
         await engine.wake_up(tags=["weights", "bogus"])
-    assert engine.stats()["sleeping"] == ["kv_cache", "weights"]
+    assert engine.stats().sleeping == ("kv_cache", "weights")
     await engine.wake_up()
     assert await token_ids(engine, PROMPTS[:1], greedy()) == expected
 
@@ -212,13 +213,13 @@ async def test_after_level_2_a_woken_engine_refuses_to_run_until_weights_are_rel
     await engine.sleep(level=2)
     await engine.wake_up()
     assert not await engine.is_sleeping()
-    assert engine.stats()["weights_valid"] is False
-    assert await engine.collective_rpc(lambda worker: worker.model_runner.weights_ready) == [False]
+    assert engine.stats().weights_valid is False
+    assert await engine.collective_rpc(lambda worker: worker.sleep_backend.weights_valid) == [False]
     sink: list[RequestOutput] = []
     task = asyncio.create_task(final(engine, PROMPTS[0], greedy(), sink))
     await assert_no_progress(engine, sink)
     await engine.reload_weights()
-    assert engine.stats()["weights_valid"] is True
+    assert engine.stats().weights_valid is True
     assert list((await task).token_ids) == expected[0]
 
 
@@ -242,7 +243,7 @@ async def test_keep_mode_requests_finish_with_the_tokens_of_an_uninterrupted_run
     tasks = [asyncio.create_task(final(engine, p, sp, sink)) for p, sp in zip(KEEP_PROMPTS, params, strict=True)]
     await outputs_arrived(sink, 5)  # every request is mid-generation
     report = await engine.sleep(level=1, mode="keep")
-    assert report["preempted"] > 0
+    assert report.preempted > 0
     assert not any(task.done() for task in tasks)
     await engine.wake_up()
     outs = await asyncio.gather(*tasks)
@@ -257,10 +258,10 @@ async def test_abort_mode_ends_requests_in_flight_with_finish_reason_abort(engin
     await outputs_arrived(sink)
     report = await engine.sleep(level=1, mode="abort")
     outs = await asyncio.gather(*tasks)
-    assert report["aborted"] == len(PROMPTS)
+    assert report.aborted == len(PROMPTS)
     assert [o.finish_reason for o in outs] == ["abort"] * len(PROMPTS)
     stats = engine.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.kv_blocks_free == stats.kv_blocks_total
     await engine.wake_up()
     assert await token_ids(engine, PROMPTS, greedy()) == expected
 
@@ -307,9 +308,9 @@ async def test_requests_submitted_while_asleep_complete_after_wake(engine: Async
 async def test_sleep_while_asleep_is_a_no_op_that_says_so(engine: AsyncEngine) -> None:
     await engine.sleep(level=1)
     report = await engine.sleep(level=2)
-    assert report["freed_bytes"] == {"weights": 0, "kv_cache": 0}
-    assert any("already asleep" in note for note in report["notes"]), report["notes"]
-    assert engine.stats()["weights_valid"] is True  # still the level 1 sleep: nothing was discarded
+    assert report.freed_bytes == TagBytes(weights=0, kv_cache=0)
+    assert any("already asleep" in note for note in report.notes), report.notes
+    assert engine.stats().weights_valid is True  # still the level 1 sleep: nothing was discarded
     await engine.wake_up()
     assert await token_ids(engine, PROMPTS[:1], greedy())
 
@@ -317,8 +318,8 @@ async def test_sleep_while_asleep_is_a_no_op_that_says_so(engine: AsyncEngine) -
 async def test_wake_up_while_awake_is_a_no_op_that_says_so(engine: AsyncEngine) -> None:
     expected = await token_ids(engine, PROMPTS[:1], greedy())
     report = await engine.wake_up()
-    assert report["restored_bytes"] == {"weights": 0, "kv_cache": 0}
-    assert any("already awake" in note for note in report["notes"]), report["notes"]
+    assert report.restored_bytes == TagBytes(weights=0, kv_cache=0)
+    assert any("already awake" in note for note in report.notes), report.notes
     assert await token_ids(engine, PROMPTS[:1], greedy()) == expected
 
 
@@ -327,7 +328,7 @@ async def test_shutdown_while_asleep_completes(llama_ckpt: Path, make_engine: Ca
     await engine.start()
     await engine.sleep(level=2)
     await asyncio.wait_for(engine.shutdown(), TIMEOUT)
-    assert engine.stats()["dead"]
+    assert engine.stats().dead
 
 
 async def test_shutdown_while_asleep_ends_the_requests_waiting_for_wake(
@@ -382,7 +383,7 @@ async def test_sleep_wait_on_an_engine_paused_for_missing_weights_keeps_queued_r
         queued = asyncio.create_task(final(engine, [5, 6, 7], params))
         await asyncio.sleep(0.05)
         report = await asyncio.wait_for(engine.sleep(level=1, mode="wait"), timeout=30)
-        assert any("queued" in note for note in report["notes"])
+        assert any("queued" in note for note in report.notes)
         assert not queued.done()
         await engine.wake_up()
         await engine.reload_weights()

@@ -28,7 +28,7 @@ def test_sync_engine_returns_final_outputs_in_prompt_order(llama_ckpt: Path) -> 
         outs = engine.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in outs] == expected
         assert all(o.finished and o.finish_reason == "length" for o in outs)
-        assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
+        assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
 
 
 def test_sync_engine_accepts_a_single_string_prompt(llama_ckpt: Path) -> None:

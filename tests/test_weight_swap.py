@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from aioengine import AsyncEngine
-from aioengine.errors import CheckpointError, InvalidRequestError
+from aioengine.errors import CheckpointError, EngineStateError
 
 from tests.weight_swap_support import *  # noqa: F403 - constants, fixtures and helpers of these tests
 
@@ -64,8 +64,8 @@ async def test_a_staged_file_is_read_at_staging_so_rewriting_the_file_before_the
     await asyncio.sleep(0)
     update = asyncio.create_task(engine.update_weights(file, mode="drain", stage=True))
     async with asyncio.timeout(TIMEOUT):
-        while not (update.done() or engine.core is not None and engine.core.hold_admission):
-            await asyncio.sleep(0.001)  # staged; now draining (an internal flag: no public signal exists)
+        while not (update.done() or engine.stats().draining):
+            await asyncio.sleep(0.001)  # staged; now draining
     assert not update.done(), "the drain was over before the file could be rewritten"
     with open(file, "r+b") as f:  # in place, as a trainer saving to the same path does
         f.write((llama_ckpt / "model.safetensors").read_bytes())
@@ -227,9 +227,9 @@ async def test_an_update_writes_in_place_keeping_every_parameter_address(
 async def test_the_report_gives_tensors_bytes_and_seconds_of_the_source(engine: AsyncEngine, ckpt_b: Path) -> None:
     tensors = b_tensors(ckpt_b)
     report = await engine.update_weights(ckpt_b)
-    assert report["tensors"] == len(tensors)
-    assert report["bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
-    assert report["seconds"] >= report["pause_seconds"] >= 0.0
+    assert report.tensors == len(tensors)
+    assert report.bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert report.seconds >= report.pause_seconds >= 0.0
 
 
 async def test_weights_version_counts_successful_updates_only(engine: AsyncEngine, ckpt_b: Path) -> None:
@@ -242,7 +242,7 @@ async def test_weights_version_counts_successful_updates_only(engine: AsyncEngin
     report = await engine.update_weights(ckpt_b, mode="drain")
     versions.append(engine.weights_version)
     assert versions == [0, 1, 1, 2]
-    assert report["weights_version"] == 2
+    assert report.weights_version == 2
     assert (await final(engine, PROMPTS[0])).weights_version == 2
 
 
@@ -266,11 +266,11 @@ async def test_level_1_sleep_then_wake_then_update_to_b_gives_outputs_of_b(
     assert await token_ids(engine) == ref["B"][:FEW]
 
 
-async def test_updating_weights_that_are_asleep_is_refused_with_invalid_request_error(
+async def test_updating_weights_that_are_asleep_is_refused_with_engine_state_error(
     engine: AsyncEngine, ckpt_b: Path, ref: dict[str, list[list[int]]]
 ) -> None:
     await engine.sleep(level=1)
-    with pytest.raises(InvalidRequestError, match="wake_up"):
+    with pytest.raises(EngineStateError, match="wake_up"):
         await engine.update_weights(ckpt_b)
     await engine.wake_up()
     assert engine.weights_version == 0
@@ -284,7 +284,7 @@ async def test_drain_while_the_kv_cache_sleeps_with_a_request_queued_is_refused_
     queued = asyncio.create_task(final(engine, PROMPTS[0]))
     await asyncio.sleep(0.05)  # the request is accepted and waits for the wake
     await engine.wake_up(["weights"])
-    with pytest.raises(InvalidRequestError, match="drain"):
+    with pytest.raises(EngineStateError, match="drain"):
         async with asyncio.timeout(TIMEOUT):
             await engine.update_weights(ckpt_b, mode="drain")
     await engine.wake_up(["kv_cache"])

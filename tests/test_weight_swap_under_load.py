@@ -90,8 +90,8 @@ async def test_requests_sent_during_a_swap_finish_with_outputs_of_b_and_the_new_
 @pytest.mark.parametrize("mode", MODES)
 async def test_every_kv_block_is_free_after_a_swap_under_load(engine: AsyncEngine, mode: str, ckpt_b: Path) -> None:
     run = await swap_under_load(engine, ckpt_b, mode)
-    assert run.stats["kv_blocks_free"] == run.stats["kv_blocks_total"]
-    assert run.stats["requests_running"] == run.stats["requests_waiting"] == 0
+    assert run.stats.kv_blocks_free == run.stats.kv_blocks_total
+    assert run.stats.requests_running == run.stats.requests_waiting == 0
 
 
 async def test_drain_finishes_in_flight_requests_entirely_on_a_with_the_old_version(
@@ -100,7 +100,7 @@ async def test_drain_finishes_in_flight_requests_entirely_on_a_with_the_old_vers
     run = await swap_under_load(engine, ckpt_b, "drain")
     assert [s.ids for s in run.in_flight] == ref["A"]
     assert all(v == run.old_version for s in run.in_flight for _, v in s.tokens)
-    assert run.report["weights_version"] == run.old_version + 1
+    assert run.report.weights_version == run.old_version + 1
 
 
 async def test_pause_lets_in_flight_requests_finish_with_a_tokens_then_new_version_tokens(
@@ -132,7 +132,7 @@ async def test_recompute_reports_every_request_it_preempted_mid_generation(engin
     run = await swap_under_load(engine, ckpt_b, "recompute")
     mid_generation = [s for s in run.in_flight if len(s.before_swap(run.old_version)) < NEW_TOKENS]
     assert len(mid_generation) > 0
-    assert run.report["preempted"] == len(mid_generation)
+    assert run.report.preempted == len(mid_generation)
     assert all(s.last is not None and s.last.num_preemptions >= 1 for s in mid_generation)
 
 
@@ -142,6 +142,6 @@ async def test_abort_ends_in_flight_requests_with_abort_and_reports_how_many(
     run = await swap_under_load(engine, ckpt_b, "abort")
     ended = [s for s in run.in_flight if s.last is not None and s.last.finish_reason == "abort"]
     finished = [s for s in run.in_flight if s not in ended]
-    assert len(ended) > 0 and run.report["aborted"] == len(ended)
+    assert len(ended) > 0 and run.report.aborted == len(ended)
     assert all(s.ids == ref["A"][s.prompt][: len(s.ids)] for s in ended)  # cut short, A's so far
     assert all(s.ids == ref["A"][s.prompt] for s in finished)  # any that ended before the swap

@@ -110,10 +110,10 @@ def _decode_runner(ckpt: Path, sizes: list[int]) -> tuple[PaddedDecodeRunner, li
     worker = CPUWorker(cfg)
     worker.init_device()
     worker.load_model()
-    worker.initialize_from_config(KVCacheConfig(num_blocks=16, block_size=16))
+    worker.initialize_from_config(KVCacheConfig(num_cache_blocks=16, block_size=16))
     runner = worker.model_runner
     assert runner is not None and runner.model is not None and runner.cache_engine is not None
-    caches = runner.cache_engine.gpu_cache
+    caches = runner.cache_engine.device_cache
     for c in caches:
         c.normal_()
     return PaddedDecodeRunner(runner.model, caches, sizes, 16, 4, torch.device("cpu"), use_graphs=False), caches
@@ -198,8 +198,7 @@ async def test_cpu_kv_cache_takes_the_configured_bytes(make_engine, llama_ckpt: 
     budget = 3 << 20
     async with make_engine(llama_ckpt, cache={"num_blocks": None, "kv_cache_memory_bytes": budget}) as engine:
         block_bytes = await engine.collective_rpc("get_cache_block_size_bytes", unique_reply_rank=0)
-        assert engine.num_blocks == budget // block_bytes
-        assert engine.stats()["kv_blocks_total"] == engine.num_blocks - 1  # block 0 is the null block
+        assert engine.stats().kv_blocks_total == budget // block_bytes - 1  # one block is the null block
 
 
 async def test_cpu_kv_cache_larger_than_free_memory_fails_at_start_naming_the_option(make_engine, llama_ckpt: Path) -> None:

@@ -6,16 +6,23 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from aioengine.config import EngineConfig
+from aioengine.engine.control import EngineControl, SleepMode, SleepReport, UpdateMode, WakeReport, WeightUpdateReport
 from aioengine.engine.core import EngineCore
-from aioengine.engine.lifecycle import SleepAndWeightsMixin
 from aioengine.engine.outputs import RequestOutput
-from aioengine.errors import EngineDeadError, EngineNotStartedError, InvalidRequestError, RequestTooLargeError
+from aioengine.errors import (
+    ConfigurationError,
+    EngineDeadError,
+    EngineNotStartedError,
+    InvalidRequestError,
+    RequestTooLargeError,
+)
 from aioengine.executor.base import Executor
-from aioengine.messages import KVCacheConfig
+from aioengine.messages import KVCacheConfig, ModelInfo, SleepLevel, WorkerWeightsReport
 from aioengine.sampling.params import SamplingParams
 from aioengine.scheduler.request import Request
 from aioengine.scheduler.scheduler import Scheduler
@@ -25,7 +32,37 @@ logger = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
 
 
-class AsyncEngine(SleepAndWeightsMixin):
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's state, cheap enough to poll."""
+
+    started: bool
+    dead: bool = False
+    kv_blocks_total: int = 0
+    """Blocks requests can hold (the cache's blocks minus the null block)."""
+    kv_blocks_free: int = 0
+    block_size: int = 0
+    requests_running: int = 0
+    requests_waiting: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    worker_seconds: float = 0.0
+    weights_version: int = 0
+    requests_held: int = 0
+    """Requests that arrived during a drain and wait for it to end."""
+    draining: bool = False
+    """A control call (sleep "wait", update_weights "drain") is finishing the requests in flight."""
+    sleeping: tuple[str, ...] = ()
+    weights_valid: bool = True
+    max_model_len: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values (for logs, metrics, HTTP)."""
+        return asdict(self)
+
+
+class AsyncEngine:
     """Continuous-batching generation inside your own event loop.
 
     ``async with AsyncEngine(config) as engine:`` starts the worker (model load, KV cache,
@@ -34,22 +71,17 @@ class AsyncEngine(SleepAndWeightsMixin):
     """
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
-        self.config = config if config is not None else EngineConfig(**overrides)
         if config is not None and overrides:
             raise TypeError("pass either an EngineConfig or keyword sections, not both")
+        self.config = config if config is not None else EngineConfig(**overrides)
         self.executor: Executor | None = None
         self.core: EngineCore | None = None
+        self._control: EngineControl | None = None
         self.tokenizer: Any = None
-        self.model_info: dict[str, Any] = {}
-        self.num_blocks = 0
+        self.model_info: ModelInfo | None = None
         self._started = False
         self._closed = False
         self._start_lock = asyncio.Lock()
-        self._control_lock = asyncio.Lock()  # one sleep / wake / weight update at a time
-        self._asleep: set[str] = set()
-        self._sleep_level = 0
-        self.weights_valid = True
-        """False after sleep level 2 until weights are loaded again; no step runs meanwhile."""
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
@@ -67,49 +99,49 @@ class AsyncEngine(SleepAndWeightsMixin):
             if self._closed:
                 raise EngineDeadError("engine was shut down; create a new one")
             started = time.perf_counter()
-            self.config = await asyncio.to_thread(_with_model_path, self.config)
             self.executor = await asyncio.to_thread(_make_executor, self.config)
             try:
-                await self._init_workers()
+                await self._init_workers(self.executor)
             except BaseException:
                 await asyncio.to_thread(self.executor.shutdown)
                 raise
             self._started = True
             logger.info("engine ready in %.2fs: %d KV blocks of %d tokens", time.perf_counter() - started,
-                        self.num_blocks, self.config.cache.block_size)  # fmt: skip
+                        self.core.scheduler.kv.num_usable_blocks if self.core else 0,
+                        self.config.cache.block_size)  # fmt: skip
 
-    async def _init_workers(self) -> None:
-        assert self.executor is not None
-        rpc = self.executor.collective_rpc
+    async def _init_workers(self, executor: Executor) -> None:
+        rpc = executor.collective_rpc
         cfg = self.config
         await rpc("init_device")
         await rpc("load_model")
+        info: ModelInfo = await rpc("get_model_info", unique_reply_rank=0)
         # After load_model, not beside it: transformers' lazy imports race when two threads import at once.
-        tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, cfg.model.tokenizer or cfg.model.path))
-        self.model_info = await rpc("get_model_info", unique_reply_rank=0)
+        tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, cfg.model.tokenizer or info.model_path))
         block_bytes = await rpc("get_cache_block_size_bytes", unique_reply_rank=0)
         available = min(await rpc("determine_available_memory"))
-        self.num_blocks = cfg.cache.num_blocks or available // block_bytes
-        if self.num_blocks < 2:  # block 0 is the null block, so one block serves nobody
-            raise InvalidRequestError(
+        num_cache_blocks = cfg.cache.num_blocks or available // block_bytes
+        if num_cache_blocks < 2:  # block 0 is the null block, so one block serves nobody
+            raise ConfigurationError(
                 f"no memory left for the KV cache ({available} bytes free, one block needs {block_bytes}); "
                 "raise cache.kv_cache_memory_bytes / cache.memory_utilization or use a smaller model"
             )
-        await rpc("initialize_from_config", (KVCacheConfig(self.num_blocks, cfg.cache.block_size),))
+        await rpc("initialize_from_config", (KVCacheConfig(num_cache_blocks, cfg.cache.block_size),))
         await rpc("compile_or_warm_up_model")
         self.tokenizer = await tokenizer_task
+        self.model_info = info
         sched = cfg.scheduler
         scheduler = Scheduler(
-            num_blocks=self.num_blocks,
+            num_cache_blocks=num_cache_blocks,
             block_size=cfg.cache.block_size,
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=self.model_info["max_model_len"],
-            eos_token_ids=self.model_info["eos_token_ids"],
+            max_model_len=info.max_model_len,
+            eos_token_ids=info.eos_token_ids,
             enable_chunked_prefill=sched.enable_chunked_prefill,
         )
-        self.core = EngineCore(scheduler, self.executor, self.tokenizer,
-                               async_scheduling=sched.async_scheduling)  # fmt: skip
+        self.core = EngineCore(scheduler, executor, self.tokenizer, async_scheduling=sched.async_scheduling)
+        self._control = EngineControl(self.core, executor)
         self.core.start()
 
     async def shutdown(self) -> None:
@@ -132,27 +164,40 @@ class AsyncEngine(SleepAndWeightsMixin):
             raise EngineDeadError(f"engine is dead: {self.core.dead}") from self.core.dead
         return self.core
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams, request_id: str) -> Request:
+    def _require_control(self) -> EngineControl:
+        self._require_core()
+        assert self._control is not None
+        return self._control
+
+    def _make_request(self, core: EngineCore, prompt: Prompt, params: SamplingParams, request_id: str) -> Request:
+        info = self.model_info
+        assert info is not None
         if isinstance(prompt, str):
             token_ids = self.tokenizer(prompt).input_ids if prompt else []
         else:
             token_ids = list(prompt)
         if not token_ids:
             raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
-        vocab = self.model_info["vocab_size"]
+        vocab = info.vocab_size
         bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(
                 f"request {request_id!r}: prompt token id {bad!r} is outside the vocabulary [0, {vocab})"
             )
         total = len(token_ids) + params.max_tokens
-        max_len = self.model_info["max_model_len"]
-        if total > max_len:
+        if total > info.max_model_len:
             raise RequestTooLargeError(
                 f"request {request_id!r}: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{total} exceeds max_model_len={max_len}; shorten the prompt or lower max_tokens"
+                f"{total} exceeds max_model_len={info.max_model_len}; shorten the prompt or lower max_tokens"
             )
-        capacity = (self.num_blocks - 1) * self.config.cache.block_size  # minus the null block
+        scheduler = core.scheduler
+        if not scheduler.enable_chunked_prefill and len(token_ids) > scheduler.max_num_batched_tokens:
+            raise RequestTooLargeError(
+                f"request {request_id!r}: the prompt ({len(token_ids)} tokens) can never be scheduled: with chunked "
+                f"prefill off a prompt must fit in one step, scheduler.max_num_batched_tokens="
+                f"{scheduler.max_num_batched_tokens}; shorten it, raise that limit or enable chunked prefill"
+            )
+        capacity = scheduler.kv.capacity_tokens
         if total > capacity:
             raise RequestTooLargeError(
                 f"request {request_id!r}: needs {total} tokens of KV cache but the whole cache holds {capacity}; "
@@ -176,7 +221,7 @@ class AsyncEngine(SleepAndWeightsMixin):
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if request_id in core.collectors:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
-        collector = core.add_request(self._make_request(prompt, params, request_id))
+        collector = core.add_request(self._make_request(core, prompt, params, request_id))
         finished = False
         try:
             while not finished:
@@ -199,10 +244,19 @@ class AsyncEngine(SleepAndWeightsMixin):
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> Any:
-        """Runs a worker method (or a callable taking the worker) on every rank, ordered with the steps."""
-        self._require_core()
+        """Runs a worker method (or a callable taking the worker) on every rank, ordered with the steps.
+
+        A method that writes weights through the worker's one write path (``Worker.write_weights``, as
+        the weight-sync plugin does) returns a ``WorkerWeightsReport``; the engine takes the new
+        ``weights_version`` from it, and serves again once a full write replaced discarded weights.
+        """
+        core = self._require_core()
         assert self.executor is not None
-        return await self.executor.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
+        results = await self.executor.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
+        reports = [r for r in (results if unique_reply_rank is None else [results]) if isinstance(r, WorkerWeightsReport)]
+        if reports:
+            core.weights_written(WorkerWeightsReport.merge(reports))
+        return results
 
     async def check_health(self, timeout: float = 30.0) -> None:
         """Raises EngineDeadError if the engine died, or the worker's error if a worker is unhealthy."""
@@ -215,53 +269,107 @@ class AsyncEngine(SleepAndWeightsMixin):
 
     async def stop_profile(self) -> list[str | None]:
         """Stops the profiler; traces are written under ``profiler.dir``. Returns that dir per rank."""
-        return await self.collective_rpc("profile", (False,))
+        result: list[str | None] = await self.collective_rpc("profile", (False,))
+        return result
 
-    def stats(self) -> dict[str, Any]:
+    # ---- sleep, wake, weights ------------------------------------------------------------------------
+    async def sleep(self, level: SleepLevel = 1, mode: SleepMode = "wait") -> SleepReport:
+        """Frees the engine's device memory so another tenant can use it.
+
+        level 1 keeps a host copy of the weights; level 2 discards them (load them again with
+        ``reload_weights`` or ``update_weights`` after ``wake_up``). ``mode`` says what happens to
+        requests in flight: "wait" finishes them first, "abort" ends them (finish_reason "abort"),
+        "keep" preempts them and they continue after wake, recomputing their KV. Requests submitted
+        while asleep wait and run after wake. A caller that is cancelled or times out while the
+        workers free their memory does not stop them: the sleep completes and is recorded.
+        """
+        return await self._require_control().sleep(level, mode)
+
+    async def wake_up(self, tags: Iterable[str] | None = None) -> WakeReport:
+        """Restores "weights" and/or "kv_cache" (default both). Scheduling resumes only once every
+        tag is awake (and, after level 2, the weights were loaded again)."""
+        return await self._require_control().wake_up(tags)
+
+    async def is_sleeping(self) -> bool:
+        """True until every tag is awake."""
+        return self._require_core().memory.is_sleeping
+
+    async def reload_weights(self, mode: UpdateMode = "pause") -> WeightUpdateReport:
+        """Loads the checkpoint the engine started from into the model again, in place (e.g. after
+        sleep level 2)."""
+        self._require_core()
+        assert self.model_info is not None
+        return await self.update_weights(self.model_info.model_path, mode=mode)
+
+    async def update_weights(
+        self, source: Any, mode: UpdateMode = "pause", partial: bool = False, stage: bool = False
+    ) -> WeightUpdateReport:
+        """Swaps new weights into the live engine, all or nothing.
+
+        ``source``: a safetensors file or directory, a ``{name: tensor}`` dict, or an iterable of
+        ``(name, tensor)`` (checkpoint names; q/k/v and gate/up are fused for you). Every tensor's
+        name, shape and dtype is checked before the first write; a bad source raises
+        ``CheckpointError`` naming the tensor, changes nothing, and the engine keeps serving.
+        ``partial=True`` allows updating only some tensors. ``mode`` for requests in flight:
+        "pause" swaps between two steps (they go on with the new weights), "drain" finishes them on
+        the old weights first, "abort" ends them, "recompute" drops their KV and recomputes it under
+        the new weights. Requests sent meanwhile wait; none is dropped. ``stage=True`` reads and
+        checks the whole source into host memory while the engine keeps serving, so the pause covers
+        only the copy.
+        """
+        return await self._require_control().update_weights(source, mode, partial, stage)
+
+    @property
+    def weights_version(self) -> int:
+        """+1 per successful weight write; outputs carry the version they were computed with."""
+        return self.core.weights_version if self.core is not None else 0
+
+    @property
+    def is_awake(self) -> bool:
+        """Started, alive, and every tag awake (the weights may still need a reload after level 2)."""
+        core = self.core
+        return core is not None and core.dead is None and not core.memory.is_sleeping
+
+    def stats(self) -> EngineStats:
         """Snapshot of the engine's state, cheap enough to poll."""
         core = self.core
         if core is None:
-            return {"started": False}
+            return EngineStats(started=False)
         scheduler = core.scheduler
-        return {
-            "started": True,
-            "dead": core.dead is not None,
-            "kv_blocks_total": scheduler.kv.num_blocks,
-            "kv_blocks_free": scheduler.kv.num_free_blocks,
-            "block_size": scheduler.kv.block_size,
-            "requests_running": scheduler.num_running,
-            "requests_waiting": scheduler.num_waiting,
-            "num_preemptions": scheduler.num_preemptions,
-            "num_steps": core.num_steps,
-            "num_generated_tokens": core.num_generated_tokens,
-            "worker_seconds": core.worker_seconds,
-            "weights_version": core.weights_version,
-            "sleeping": sorted(self._asleep),
-            "weights_valid": self.weights_valid,
-            "max_model_len": self.model_info.get("max_model_len"),
-        }
-
-
-def _with_model_path(config: EngineConfig) -> EngineConfig:
-    """Fills in the embedded demo model when no checkpoint is configured (builds it once, cached)."""
-    if config.model.path is not None:
-        return config
-    from aioengine.testing import default_model_dir
-
-    model = config.model.model_copy(update={"path": str(default_model_dir())})
-    return config.model_copy(update={"model": model})
+        return EngineStats(
+            started=True,
+            dead=core.dead is not None,
+            kv_blocks_total=scheduler.kv.num_usable_blocks,
+            kv_blocks_free=scheduler.kv.num_free_blocks,
+            block_size=scheduler.kv.block_size,
+            requests_running=scheduler.num_running,
+            requests_waiting=scheduler.num_waiting,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=core.num_steps,
+            num_generated_tokens=core.num_generated_tokens,
+            worker_seconds=core.worker_seconds,
+            weights_version=core.weights_version,
+            requests_held=len(core.held),
+            draining=core.draining,
+            sleeping=tuple(sorted(core.memory.asleep)),
+            weights_valid=core.memory.weights_valid,
+            max_model_len=self.model_info.max_model_len if self.model_info else None,
+        )
 
 
 def _make_executor(config: EngineConfig) -> Executor:
     backend = config.parallel.distributed_executor_backend
     if backend != "thread":
-        raise InvalidRequestError(f"parallel.distributed_executor_backend={backend!r} is not implemented yet; use 'thread'")
+        raise ConfigurationError(
+            f"parallel.distributed_executor_backend={backend!r} is not built yet; use 'thread' "
+            "(with tensor_parallel_size=1)"
+        )
     from aioengine.executor.thread import ThreadExecutor
 
     return ThreadExecutor(config)
 
 
-def _load_tokenizer(path: str | None) -> Any:
+def _load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -19,7 +19,8 @@ from typing import Any
 from aioengine.config import EngineConfig
 from aioengine.engine.async_engine import AsyncEngine, Prompt
 from aioengine.engine.outputs import RequestOutput
-from aioengine.errors import InvalidRequestError
+from aioengine.errors import ConfigurationError, InvalidRequestError
+from aioengine.messages import SleepLevel, check_choice
 from aioengine.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -27,11 +28,27 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Tenant:
+    """The pool's bookkeeping of one engine; whether it is awake, the engine itself says."""
+
     engine: AsyncEngine
     footprint: int = 0
-    awake: bool = False
     active: int = 0
     last_used: float = 0.0
+
+    @property
+    def awake(self) -> bool:
+        return self.engine.is_awake
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """A snapshot of the pool."""
+
+    awake: tuple[str, ...]
+    switches: int
+    budget_bytes: int | None
+    footprints: dict[str, int]
+    active: dict[str, int]
 
 
 class EnginePool:
@@ -44,12 +61,13 @@ class EnginePool:
         budget_bytes: int | None = None,
         max_awake: int | None = None,
         idle_timeout: float | None = None,
-        sleep_level: int = 1,
+        sleep_level: SleepLevel = 1,
     ) -> None:
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
         if max_awake is not None and max_awake < 1:
             raise ValueError(f"max_awake must be >= 1, got {max_awake}")
+        check_choice("sleep_level", sleep_level, SleepLevel)
         self.tenants = {
             name: _Tenant(e if isinstance(e, AsyncEngine) else AsyncEngine(e)) for name, e in engines.items()
         }
@@ -73,9 +91,9 @@ class EnginePool:
         for name, tenant in self.tenants.items():
             await tenant.engine.start()
             report = await tenant.engine.sleep(self.sleep_level, mode="wait")
-            tenant.footprint = sum(report["freed_bytes"].values())
+            tenant.footprint = report.freed_bytes.total
             if self.budget_bytes is not None and tenant.footprint > self.budget_bytes:
-                raise InvalidRequestError(
+                raise ConfigurationError(
                     f"engine {name!r} needs {tenant.footprint} bytes awake, more than the pool budget "
                     f"{self.budget_bytes}; raise budget_bytes or shrink that engine's KV cache"
                 )
@@ -109,7 +127,6 @@ class EnginePool:
             if not tenant.awake:
                 await self._make_room_for(name, tenant)
                 await tenant.engine.wake_up()
-                tenant.awake = True
                 self.num_switches += 1
                 logger.info("pool: %s awake (%d bytes)", name, tenant.footprint)
             tenant.active += 1
@@ -125,7 +142,6 @@ class EnginePool:
                 return
             victim_name, victim = min(awake, key=lambda item: item[1].last_used)
             await victim.engine.sleep(self.sleep_level, mode="wait")  # its requests finish first
-            victim.awake = False
             logger.info("pool: %s asleep to make room for %s", victim_name, name)
 
     async def _sleep_idle_engines(self) -> None:
@@ -137,20 +153,19 @@ class EnginePool:
                 for name, tenant in self.tenants.items():
                     if tenant.awake and tenant.active == 0 and now - tenant.last_used >= self.idle_timeout:
                         await tenant.engine.sleep(self.sleep_level, mode="wait")
-                        tenant.awake = False
                         logger.info("pool: %s asleep after %.1fs idle", name, now - tenant.last_used)
 
     def awake_models(self) -> list[str]:
         return [name for name, tenant in self.tenants.items() if tenant.awake]
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            "awake": self.awake_models(),
-            "switches": self.num_switches,
-            "budget_bytes": self.budget_bytes,
-            "footprints": {name: t.footprint for name, t in self.tenants.items()},
-            "active": {name: t.active for name, t in self.tenants.items()},
-        }
+    def stats(self) -> PoolStats:
+        return PoolStats(
+            awake=tuple(self.awake_models()),
+            switches=self.num_switches,
+            budget_bytes=self.budget_bytes,
+            footprints={name: t.footprint for name, t in self.tenants.items()},
+            active={name: t.active for name, t in self.tenants.items()},
+        )
 
     async def shutdown(self) -> None:
         """Stops the idle watcher and every engine (asleep or not). Safe to call more than once."""

@@ -12,7 +12,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from aioengine.config import EngineConfig
-from aioengine.engine.async_engine import AsyncEngine, Prompt
+from aioengine.engine.async_engine import AsyncEngine, EngineStats, Prompt
 from aioengine.engine.outputs import RequestOutput
 from aioengine.sampling.params import SamplingParams
 
@@ -85,7 +85,7 @@ class Engine:
         finally:
             bar.close()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
     def close(self) -> None:

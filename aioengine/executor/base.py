@@ -2,10 +2,13 @@
 
 Everything above runs on the asyncio loop; everything below on worker threads or processes.
 Calls return awaitables, and the data that crosses is plain and picklable (aioengine.messages).
+How the workers are reached (threads, processes, Ray actors), and what that costs the loop, is
+the executor's business alone: EngineCore only submits steps and awaits their outputs.
 """
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -39,9 +42,14 @@ class Executor(ABC):
         Raises ``TimeoutError`` naming the method when ``timeout`` seconds pass.
         """
 
-    async def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step (forward, then sampling) in one trip to each worker; rank 0's output is the result."""
-        return await self.collective_rpc(execute_and_sample, (scheduler_output,), unique_reply_rank=0)
+    @abstractmethod
+    def submit_step(self, scheduler_output: SchedulerOutput) -> asyncio.Future[ModelRunnerOutput]:
+        """Hands one step (forward, then sampling) to every worker NOW, behind the calls already queued,
+        and returns the future of rank 0's output. Steps and RPCs run in the order they were submitted.
+
+        Submitting does not wait: the caller may queue the next step before this one finishes
+        (async scheduling) and publish the last one's outputs meanwhile.
+        """
 
     @abstractmethod
     async def run_aside(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:

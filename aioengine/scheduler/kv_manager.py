@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from collections import deque
 
+from aioengine.messages import NULL_BLOCK_ID
 from aioengine.scheduler.request import Request
-
-
-NULL_BLOCK_ID = 0
-"""Never handed to a request: padded rows of a decode batch (CUDA-graph buckets) write their KV here."""
 
 
 class KVBlockManager:
     """A free list of fixed-size blocks; a request owns the blocks listed in ``request.block_ids``.
 
-    The cache holds ``num_cache_blocks`` blocks; block 0 is the null block, so ``num_blocks``
-    (what requests can use) is one less.
+    The cache holds ``num_cache_blocks`` blocks; one of them is the null block (``NULL_BLOCK_ID``), so
+    ``num_usable_blocks`` (what requests can hold) is one less.
     """
 
     def __init__(self, num_cache_blocks: int, block_size: int) -> None:
@@ -23,12 +20,17 @@ class KVBlockManager:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {num_cache_blocks}")
         self.num_cache_blocks = num_cache_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(1, num_cache_blocks))
+        self._free: deque[int] = deque(b for b in range(num_cache_blocks) if b != NULL_BLOCK_ID)
 
     @property
-    def num_blocks(self) -> int:
-        """Blocks that requests can use."""
+    def num_usable_blocks(self) -> int:
+        """Blocks that requests can hold: all but the null block."""
         return self.num_cache_blocks - 1
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens one request could ever hold: every usable block."""
+        return self.num_usable_blocks * self.block_size
 
     @property
     def num_free_blocks(self) -> int:
@@ -51,7 +53,3 @@ class KVBlockManager:
         # Most recently used blocks go back last so that they are reused last.
         self._free.extend(reversed(request.block_ids))
         request.block_ids = []
-
-    def reset(self) -> None:
-        """Forgets every allocation (used when the cache is rebuilt)."""
-        self._free = deque(range(1, self.num_cache_blocks))

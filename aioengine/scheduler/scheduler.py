@@ -33,7 +33,7 @@ class Scheduler:
 
     def __init__(
         self,
-        num_blocks: int,
+        num_cache_blocks: int,
         block_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -41,7 +41,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         enable_chunked_prefill: bool = True,
     ) -> None:
-        self.kv = KVBlockManager(num_blocks, block_size)
+        self.kv = KVBlockManager(num_cache_blocks, block_size)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -50,7 +50,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._finished_ids: list[str] = []
         self._step_ids = itertools.count()
         self._scheduled: dict[int, dict[str, Request]] = {}
         """Step id -> the requests it ran, until its outputs are applied: a request aborted while its step
@@ -130,15 +129,10 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
 
-        finished, self._finished_ids = self._finished_ids, []
         step_id = next(self._step_ids)
         if scheduled:
             self._scheduled[step_id] = {r.req_id: r for r, _ in scheduled}
-        return SchedulerOutput(
-            step_id=step_id,
-            requests=[self._describe(r, n) for r, n in scheduled],
-            finished_req_ids=finished,
-        )
+        return SchedulerOutput(step_id=step_id, requests=[self._describe(r, n) for r, n in scheduled])
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether a token still to come back reaches the request's length limit (async scheduling)."""
@@ -217,4 +211,3 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.kv.free(request)
         del self.requests[request.req_id]
-        self._finished_ids.append(request.req_id)

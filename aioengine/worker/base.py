@@ -8,21 +8,31 @@ initialize_from_config -> compile_or_warm_up_model``, then ``execute_model`` eve
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Any
 
-from aioengine.messages import KVCacheConfig, ModelRunnerOutput, SchedulerOutput
+from aioengine.messages import (
+    KVCacheConfig,
+    ModelInfo,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SleepLevel,
+    WorkerSleepReport,
+    WorkerWakeReport,
+)
 
 
 class WorkerBase(ABC):
     """One worker per device (per tensor-parallel rank)."""
 
-    def __init__(self, config: Any, rank: int = 0, local_rank: int = 0,
-                 distributed_init_method: str | None = None, is_driver_worker: bool = True) -> None:  # fmt: skip
+    def __init__(self, config: Any, rank: int = 0, local_rank: int = 0, is_driver_worker: bool = True) -> None:
         self.config = config
         self.rank = rank
         self.local_rank = local_rank
-        self.distributed_init_method = distributed_init_method
         self.is_driver_worker = is_driver_worker
+        # Cooperative: a worker extension mixed in after the worker class gets its own __init__ (no
+        # arguments) called too, once config and rank are set.
+        super().__init__()
 
     @abstractmethod
     def init_device(self) -> None:
@@ -33,7 +43,7 @@ class WorkerBase(ABC):
         """Loads the weights onto the device."""
 
     @abstractmethod
-    def get_model_info(self) -> dict[str, Any]:
+    def get_model_info(self) -> ModelInfo:
         """Layer/head counts, vocab size, max length and EOS ids of the loaded model."""
 
     @abstractmethod
@@ -68,11 +78,11 @@ class WorkerBase(ABC):
         """Starts / stops the torch profiler (``profiler.dir``); RuntimeError naming the option when unset."""
 
     @abstractmethod
-    def sleep(self, level: int = 1) -> dict[str, Any]:
+    def sleep(self, level: SleepLevel = 1) -> WorkerSleepReport:
         """Frees device memory: level 1 keeps a host copy of the weights, level 2 discards them."""
 
     @abstractmethod
-    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+    def wake_up(self, tags: Iterable[str] | None = None) -> WorkerWakeReport:
         """Restores "weights" and/or "kv_cache" (default both)."""
 
     def check_health(self) -> None:

@@ -10,7 +10,8 @@ import torch
 
 
 class CacheEngine:
-    """Owns the device KV cache (and an optional host cache for swapping) of one worker."""
+    """Owns the KV cache of one worker: ``device_cache`` on the worker's device (host memory when that
+    device is the CPU), and an optional ``host_cache`` pool that swap preemption moves blocks to."""
 
     def __init__(
         self,
@@ -18,21 +19,21 @@ class CacheEngine:
         num_kv_heads: int,
         head_size: int,
         block_size: int,
-        num_blocks: int,
+        num_cache_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
-        num_cpu_blocks: int = 0,
+        num_host_blocks: int = 0,
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.num_cpu_blocks = num_cpu_blocks
+        self.num_cache_blocks = num_cache_blocks
+        self.num_host_blocks = num_host_blocks
         self.dtype = dtype
         self.device = device
-        self.gpu_cache = self._allocate(num_blocks, device)
-        self.cpu_cache = self._allocate(num_cpu_blocks, torch.device("cpu")) if num_cpu_blocks else []
+        self.device_cache = self._allocate(num_cache_blocks, device)
+        self.host_cache = self._allocate(num_host_blocks, torch.device("cpu")) if num_host_blocks else []
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
@@ -55,15 +56,15 @@ class CacheEngine:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.gpu_cache)
+        return sum(t.numel() * t.element_size() for t in self.device_cache)
 
     def swap_in(self, src_to_dst: dict[int, int]) -> None:
         """Host blocks -> device blocks."""
-        _swap_blocks(self.cpu_cache, self.gpu_cache, src_to_dst)
+        _swap_blocks(self.host_cache, self.device_cache, src_to_dst)
 
     def swap_out(self, src_to_dst: dict[int, int]) -> None:
         """Device blocks -> host blocks."""
-        _swap_blocks(self.gpu_cache, self.cpu_cache, src_to_dst)
+        _swap_blocks(self.device_cache, self.host_cache, src_to_dst)
 
     def copy(self, src_to_dsts: dict[int, list[int]]) -> None:
         """Device block -> device blocks (copy-on-write)."""
@@ -72,7 +73,7 @@ class CacheEngine:
         pairs = [(s, d) for s, dsts in src_to_dsts.items() for d in dsts]
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for layer in self.gpu_cache:
+        for layer in self.device_cache:
             layer[:, dst] = layer[:, src]
 
 
@@ -80,7 +81,7 @@ def _swap_blocks(src_cache: list[torch.Tensor], dst_cache: list[torch.Tensor], s
     if not src_to_dst:
         return
     if not src_cache or not dst_cache:
-        raise RuntimeError("swap requested but the host cache has no blocks (cache.num_cpu_blocks is 0)")
+        raise RuntimeError("swap requested but the host cache has no blocks (KVCacheConfig.num_host_blocks is 0)")
     src = torch.tensor(list(src_to_dst.keys()), device=src_cache[0].device)
     dst = torch.tensor(list(src_to_dst.values()), device=dst_cache[0].device)
     for s, d in zip(src_cache, dst_cache):

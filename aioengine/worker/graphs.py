@@ -16,12 +16,11 @@ from collections.abc import Callable
 
 import torch
 
+from aioengine.messages import NULL_BLOCK_ID
 from aioengine.model.attention import AttentionMetadata
 from aioengine.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
-
-NULL_BLOCK_ID = 0  # mirrors aioengine.scheduler.kv_manager.NULL_BLOCK_ID (the worker does not import the scheduler)
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:

@@ -18,6 +18,7 @@ import torch
 from aioengine.messages import (
     PLACEHOLDER_TOKEN_ID,
     KVCacheConfig,
+    ModelInfo,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -66,8 +67,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.decode_runner: PaddedDecodeRunner | None = None
         self.kv_cache_config: KVCacheConfig | None = None
-        self.weights_ready = False
-        """False after sleep level 2 until weights are loaded again: forwards are refused meanwhile."""
+        self.info: ModelInfo | None = None
         self._pending: tuple[int, torch.Tensor, list[ScheduledRequest], float] | None = None
         self._last_sampled: dict[str, int] = {}
         """Tokens the last sampling step chose, by request: what ``PLACEHOLDER_TOKEN_ID`` stands for."""
@@ -75,8 +75,7 @@ class ModelRunner:
         """The C++ paged decode attention where it applies (``device.cpu_kernels``, CPU, float32)."""
 
     # ---- set-up ------------------------------------------------------------------------------------
-    def load_model(self) -> None:
-        path = self.config.model.path
+    def load_model(self, path: str) -> None:
         self.hf_config = load_hf_config(path)
         self.dtype = resolve_dtype(self.config.model.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(self.hf_config, self.config.model.max_model_len)
@@ -85,7 +84,13 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(path, self.hf_config, self.dtype, self.device, self.max_model_len,
                                 strict=self.config.load.strict)
-        self.weights_ready = True
+        cfg = self.hf_config
+        self.info = ModelInfo(
+            model_path=str(path), architecture=cfg.architectures[0], num_layers=cfg.num_hidden_layers,
+            num_kv_heads=num_kv_heads_of(cfg), head_size=head_dim_of(cfg), vocab_size=cfg.vocab_size,
+            max_model_len=self.max_model_len, dtype=str(self.dtype).removeprefix("torch."),
+            eos_token_ids=tuple(self.eos_token_ids),
+        )  # fmt: skip
         self.prepack_weights()
         if self.config.device.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32 \
                 and self.cache_dtype() == torch.float32:  # fmt: skip
@@ -98,8 +103,9 @@ class ModelRunner:
 
     def prepack_weights(self) -> int:
         """(Re)builds the oneDNN copies of the linear weights where they are on (``device.cpu_weight_prepack``,
-        CPU, float32); returns their bytes. Called after the weights change; see ``layers.Linear``."""
-        if self.model is None or not self.weights_ready:
+        CPU, float32); returns their bytes. Called after the weights change (never on discarded ones: the
+        worker asks its sleep backend first); see ``layers.Linear``."""
+        if self.model is None:
             return 0
         on = self.config.device.cpu_weight_prepack and cpu_prepack_supported(self.device, self.dtype)
         return set_weight_prepack(self.model, self.config.scheduler.max_num_seqs if on else None)
@@ -109,19 +115,11 @@ class ModelRunner:
         if self.model is not None:
             drop_packed_weights(self.model)
 
-    def model_info(self) -> dict[str, Any]:
+    def model_info(self) -> ModelInfo:
         """Facts the engine needs to size the cache and validate requests (plain, picklable)."""
-        cfg = self.hf_config
-        return {
-            "architecture": cfg.architectures[0],
-            "num_layers": cfg.num_hidden_layers,
-            "num_kv_heads": num_kv_heads_of(cfg),
-            "head_size": head_dim_of(cfg),
-            "vocab_size": cfg.vocab_size,
-            "max_model_len": self.max_model_len,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "eos_token_ids": self.eos_token_ids,
-        }
+        if self.info is None:
+            raise RuntimeError("model_info() before load_model()")
+        return self.info
 
     def cache_dtype(self) -> torch.dtype:
         name = self.config.cache.cache_dtype
@@ -130,11 +128,12 @@ class ModelRunner:
     def get_cache_block_size_bytes(self) -> int:
         info = self.model_info()
         return CacheEngine.get_cache_block_size(
-            info["num_layers"], self.block_size, info["num_kv_heads"], info["head_size"], self.cache_dtype()
+            info.num_layers, self.block_size, info.num_kv_heads, info.head_size, self.cache_dtype()
         )
 
     def release_kv_cache(self) -> int:
-        """Frees the KV cache (and the graphs that point into it); returns the bytes it held."""
+        """Frees the KV cache (and the decode runner whose buffers and graphs point into it); returns
+        the bytes it held. ``restore_kv_cache`` brings both back."""
         if self.cache_engine is None:
             return 0
         freed = self.cache_engine.nbytes
@@ -143,6 +142,13 @@ class ModelRunner:
             self.decode_runner = None
         self.cache_engine = None
         return freed
+
+    def shutdown(self) -> None:
+        """Drops graphs, KV cache and model, in that order (the graphs point into both). Idempotent."""
+        self.release_kv_cache()
+        self._pending = None
+        self._last_sampled = {}
+        self.model = None
 
     def restore_kv_cache(self) -> int:
         """Allocates the KV cache again with the configuration it had; returns its bytes."""
@@ -155,15 +161,15 @@ class ModelRunner:
         self.kv_cache_config = kv_cache_config
         info = self.model_info()
         self.cache_engine = CacheEngine(
-            info["num_layers"], info["num_kv_heads"], info["head_size"], kv_cache_config.block_size,
-            kv_cache_config.num_blocks, self.cache_dtype(), self.device, kv_cache_config.num_cpu_blocks,
+            info.num_layers, info.num_kv_heads, info.head_size, kv_cache_config.block_size,
+            kv_cache_config.num_cache_blocks, self.cache_dtype(), self.device, kv_cache_config.num_host_blocks,
         )  # fmt: skip
         compile_cfg = self.config.compile
         if not compile_cfg.enforce_eager:
             assert self.model is not None
             sizes = compile_cfg.cuda_graph_sizes or default_capture_sizes(self.config.scheduler.max_num_seqs)
             self.decode_runner = PaddedDecodeRunner(
-                self.model, self.cache_engine.gpu_cache, sizes, self.block_size,
+                self.model, self.cache_engine.device_cache, sizes, self.block_size,
                 -(-self.max_model_len // self.block_size), self.device, use_graphs=self.device.type == "cuda",
                 decode_kernel=self.decode_kernel,
             )  # fmt: skip
@@ -172,18 +178,26 @@ class ModelRunner:
         """Captures the decode CUDA graphs (no-op on CPU or with enforce_eager); returns seconds."""
         return self.decode_runner.capture() if self.decode_runner is not None else 0.0
 
+    def recapture_if_released(self) -> float:
+        """After a wake that reallocated the KV cache: captures the decode graphs again where they are
+        used and missing (a no-op when graphs survived, on CPU, or with enforce_eager); returns seconds."""
+        runner = self.decode_runner
+        if runner is None or not runner.use_graphs or runner.graphs:
+            return 0.0
+        return runner.capture()
+
     @torch.inference_mode()
     def profile_run(self) -> None:
         """A forward at the largest step the scheduler can send, on a scratch cache just big enough."""
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         info = self.model_info()
         blocks = -(-num_tokens // self.block_size)
-        scratch = CacheEngine(info["num_layers"], info["num_kv_heads"], info["head_size"], self.block_size,
+        scratch = CacheEngine(info.num_layers, info.num_kv_heads, info.head_size, self.block_size,
                               blocks, self.cache_dtype(), self.device)  # fmt: skip
         req = ScheduledRequest("profile", [0] * num_tokens, 0, list(range(blocks)), sampling=None)
         inputs = self.prepare_inputs(SchedulerOutput(-1, [req]))
         assert self.model is not None
-        self.model(inputs.input_ids, inputs.positions, scratch.gpu_cache, inputs.meta,
+        self.model(inputs.input_ids, inputs.positions, scratch.device_cache, inputs.meta,
                    torch.tensor([num_tokens - 1], device=self.device))  # fmt: skip
         del scratch
 
@@ -243,12 +257,8 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """Runs the forward. Returns None when rows are left to sample: ``sample_tokens`` does that,
         so a worker extension can act between the forward and sampling (as in the seeds)."""
-        if self.model is None or self.cache_engine is None or not self.weights_ready:
-            raise RuntimeError(
-                "refusing to run a forward: "
-                + ("the weights were discarded (sleep level 2); load them again first" if not self.weights_ready
-                   else "the model or KV cache is not allocated (asleep?)")
-            )  # fmt: skip
+        if self.model is None or self.cache_engine is None:
+            raise RuntimeError("refusing to run a forward: the model or KV cache is not allocated (asleep?)")
         start = time.perf_counter()
         if sched.is_empty:
             return ModelRunnerOutput(sched.step_id, [], [])
@@ -258,7 +268,7 @@ class ModelRunner:
             logits, sample_reqs = self._run_padded_decode(reqs)
         else:
             inputs = self.prepare_inputs(sched)
-            logits = self.model(inputs.input_ids, inputs.positions, self.cache_engine.gpu_cache, inputs.meta,
+            logits = self.model(inputs.input_ids, inputs.positions, self.cache_engine.device_cache, inputs.meta,
                                 inputs.logits_indices)  # fmt: skip
             sample_reqs = inputs.sample_reqs
         if not sample_reqs:

@@ -16,20 +16,19 @@ import contextlib
 import ctypes
 import gc
 import logging
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
+
+from aioengine.errors import ConfigurationError
+from aioengine.messages import WAKE_TAGS, SleepLevel, TagBytes, WakeTag
 
 if TYPE_CHECKING:
     from aioengine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-TAGS = ("weights", "kv_cache")
-
 
 def release_host_memory() -> None:
     """Collects garbage and asks glibc to return freed heap pages to the OS (resident memory drops)."""
@@ -44,14 +43,25 @@ def _set_buffer(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None
 
 
 class SleepBackend(ABC):
-    """How one worker frees and restores its device memory."""
+    """How one worker frees and restores its device memory, and the one record of what is asleep.
+
+    ``asleep`` (the tags whose memory is freed), ``level`` and ``weights_valid`` live here only; the
+    worker and the runner ask. The engine keeps its own view of the same facts, taken from the
+    reports these calls return (its ``MemoryState``).
+    """
 
     name = "abstract"
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.level = 0
-        self.asleep: set[str] = set()
+        self.level: SleepLevel | None = None
+        self.asleep: set[WakeTag] = set()
+        self.weights_valid = True
+        """False from a level-2 sleep until a full weight write (reload or update) fills them again."""
+
+    def weights_loaded(self) -> None:
+        """Every parameter was written (a full reload or update): the weights may serve again."""
+        self.weights_valid = True
 
     @contextlib.contextmanager
     def allocation_region(self, tag: str) -> Iterator[None]:
@@ -59,12 +69,12 @@ class SleepBackend(ABC):
         yield
 
     @abstractmethod
-    def sleep(self, level: int) -> dict[str, Any]:
-        """Frees memory; returns bytes freed per tag and notes."""
+    def sleep(self, level: SleepLevel) -> tuple[TagBytes, list[str]]:
+        """Frees memory; returns the bytes freed per tag and notes for the caller."""
 
     @abstractmethod
-    def wake_up(self, tags: list[str]) -> dict[str, Any]:
-        """Restores the given tags; returns bytes restored per tag."""
+    def wake_up(self, tags: tuple[WakeTag, ...]) -> TagBytes:
+        """Restores the given tags (those asleep); returns the bytes restored per tag."""
 
 
 class PortableSleepBackend(SleepBackend):
@@ -78,12 +88,13 @@ class PortableSleepBackend(SleepBackend):
         self._saved_buffers: dict[str, torch.Tensor] = {}
         self._param_specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
 
-    def sleep(self, level: int) -> dict[str, Any]:
+    def sleep(self, level: SleepLevel) -> tuple[TagBytes, list[str]]:
         runner = self.runner
         model = runner.model
         assert model is not None
         on_cpu = runner.device.type == "cpu"
-        freed = {"kv_cache": runner.release_kv_cache(), "weights": 0}
+        kv_bytes = runner.release_kv_cache()
+        weight_bytes = 0
         notes = []
         if level == 1 and on_cpu:
             notes.append("level 1 on a CPU device frees the KV cache only: the weights already live in host memory")
@@ -91,7 +102,7 @@ class PortableSleepBackend(SleepBackend):
             pin = torch.cuda.is_available()
             for name, param in model.named_parameters():
                 self._weights_backup[name] = param.data.to("cpu").pin_memory() if pin else param.data.to("cpu")
-                freed["weights"] += param.data.nbytes
+                weight_bytes += param.data.nbytes
                 param.data = torch.empty(0, dtype=param.dtype, device=runner.device)
         else:
             self._saved_buffers = {name: buf.detach().to("cpu", copy=True) for name, buf in model.named_buffers()}
@@ -99,31 +110,31 @@ class PortableSleepBackend(SleepBackend):
                 _set_buffer(model, name, torch.empty(0, dtype=buf.dtype, device=runner.device))
             for name, param in model.named_parameters():
                 self._param_specs[name] = (param.shape, param.dtype)
-                freed["weights"] += param.data.nbytes
+                weight_bytes += param.data.nbytes
                 param.data = torch.empty(0, dtype=param.dtype, device=runner.device)
-            runner.weights_ready = False
+            self.weights_valid = False
             notes.append("level 2 discarded the weights: load them again (reload_weights / update_weights)")
         self.level = level
-        self.asleep = set(TAGS) if (level == 2 or not on_cpu) else {"kv_cache"}
+        self.asleep = set(WAKE_TAGS) if (level == 2 or not on_cpu) else {"kv_cache"}
         _empty_device_cache(runner.device)
-        return {"freed_bytes": freed, "notes": notes}
+        return TagBytes(weights=weight_bytes, kv_cache=kv_bytes), notes
 
-    def wake_up(self, tags: list[str]) -> dict[str, Any]:
+    def wake_up(self, tags: tuple[WakeTag, ...]) -> TagBytes:
         runner = self.runner
         model = runner.model
         assert model is not None
-        restored = {"kv_cache": 0, "weights": 0}
+        weight_bytes = kv_bytes = 0
         if "weights" in tags and "weights" in self.asleep:
             params = dict(model.named_parameters())
             if self.level == 1:
                 for name, backup in self._weights_backup.items():
                     params[name].data = backup.to(runner.device, non_blocking=True)
-                    restored["weights"] += backup.nbytes
+                    weight_bytes += backup.nbytes
                 self._weights_backup.clear()
             else:
                 for name, (shape, dtype) in self._param_specs.items():
                     params[name].data = torch.empty(shape, dtype=dtype, device=runner.device)
-                    restored["weights"] += params[name].data.nbytes
+                    weight_bytes += params[name].data.nbytes
                 for name, saved in self._saved_buffers.items():
                     fresh = torch.empty_like(saved, device=runner.device)
                     fresh.copy_(saved)  # seeds: buffers come back by name with copy_
@@ -132,9 +143,11 @@ class PortableSleepBackend(SleepBackend):
                 self._saved_buffers.clear()
             self.asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.asleep:
-            restored["kv_cache"] = runner.restore_kv_cache()
+            kv_bytes = runner.restore_kv_cache()
             self.asleep.discard("kv_cache")
-        return {"restored_bytes": restored}
+        if not self.asleep:
+            self.level = None
+        return TagBytes(weights=weight_bytes, kv_cache=kv_bytes)
 
 
 class TorchMemorySaverBackend(SleepBackend):
@@ -154,7 +167,7 @@ class TorchMemorySaverBackend(SleepBackend):
         with self.saver.region(tag=tag, enable_cpu_backup=(tag == "weights")):
             yield
 
-    def sleep(self, level: int) -> dict[str, Any]:
+    def sleep(self, level: SleepLevel) -> tuple[TagBytes, list[str]]:
         runner = self.runner
         kv_bytes = runner.cache_engine.nbytes if runner.cache_engine is not None else 0
         model = runner.model
@@ -162,30 +175,32 @@ class TorchMemorySaverBackend(SleepBackend):
         weight_bytes = sum(p.data.nbytes for p in model.parameters())
         if level == 2:
             self._saved_buffers = {name: buf.detach().to("cpu", copy=True) for name, buf in model.named_buffers()}
-            runner.weights_ready = False
+            self.weights_valid = False
         self.saver.pause("kv_cache")
         self.saver.pause("weights")
         self.level = level
-        self.asleep = set(TAGS)
-        return {"freed_bytes": {"kv_cache": kv_bytes, "weights": weight_bytes}, "notes": []}
+        self.asleep = set(WAKE_TAGS)
+        return TagBytes(weights=weight_bytes, kv_cache=kv_bytes), []
 
-    def wake_up(self, tags: list[str]) -> dict[str, Any]:
+    def wake_up(self, tags: tuple[WakeTag, ...]) -> TagBytes:
         model = self.runner.model
         assert model is not None
-        restored = {"kv_cache": 0, "weights": 0}
-        for tag in TAGS:
-            if tag in tags and tag in self.asleep:
-                self.saver.resume(tag)
-                self.asleep.discard(tag)
-        if "weights" in tags:
+        woken = [tag for tag in WAKE_TAGS if tag in tags and tag in self.asleep]
+        for tag in woken:
+            self.saver.resume(tag)
+            self.asleep.discard(tag)
+        weight_bytes = kv_bytes = 0
+        if "weights" in woken:
             buffers = dict(model.named_buffers())
             for name, saved in self._saved_buffers.items():
                 buffers[name].copy_(saved)
             self._saved_buffers.clear()
-            restored["weights"] = sum(p.data.nbytes for p in model.parameters())
-        if "kv_cache" in tags and self.runner.cache_engine is not None:
-            restored["kv_cache"] = self.runner.cache_engine.nbytes
-        return {"restored_bytes": restored}
+            weight_bytes = sum(p.data.nbytes for p in model.parameters())
+        if "kv_cache" in woken and self.runner.cache_engine is not None:
+            kv_bytes = self.runner.cache_engine.nbytes
+        if not self.asleep:
+            self.level = None
+        return TagBytes(weights=weight_bytes, kv_cache=kv_bytes)
 
 
 SLEEP_BACKENDS: dict[str, type[SleepBackend]] = {
@@ -206,9 +221,9 @@ def create_sleep_backend(name: str, runner: ModelRunner) -> SleepBackend:
             except ImportError:
                 pass
     if name not in SLEEP_BACKENDS:
-        raise ValueError(f"sleep.backend {name!r} is unknown; choose one of: auto, {', '.join(SLEEP_BACKENDS)}")
+        raise ConfigurationError(f"sleep.backend {name!r} is unknown; choose one of: auto, {', '.join(SLEEP_BACKENDS)}")
     if name == TorchMemorySaverBackend.name and runner.device.type != "cuda":
-        raise ValueError("sleep.backend 'torch_memory_saver' needs a CUDA device; use 'portable' on CPU")
+        raise ConfigurationError("sleep.backend 'torch_memory_saver' needs a CUDA device; use 'portable' on CPU")
     return SLEEP_BACKENDS[name](runner)
 
 
@@ -219,9 +234,3 @@ def _empty_device_cache(device: torch.device) -> None:
     else:
         release_host_memory()
 
-
-def timed(fn: Any, *args: Any) -> dict[str, Any]:
-    start = time.perf_counter()
-    report = fn(*args)
-    report["seconds"] = time.perf_counter() - start
-    return report

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Union
 
 import torch
 
@@ -32,6 +32,8 @@ class StagedWeights:
 
 
 WeightSource = Union[str, os.PathLike, Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]], StagedWeights]
+TensorStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+"""Yields the source's ``(name, tensor)`` pairs when called, lazily where it can (files, a broadcast)."""
 
 
 def shard_for_rank(name: str, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -41,7 +43,7 @@ def shard_for_rank(name: str, tensor: torch.Tensor, rank: int, world_size: int) 
     raise NotImplementedError("tensor-parallel weight sharding is not implemented yet")
 
 
-def describe_source(source: WeightSource) -> tuple[list[TensorSpec], Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+def describe_source(source: WeightSource) -> tuple[list[TensorSpec], TensorStream]:
     """The source's tensor specs (without reading data, for files) and a way to stream its tensors."""
     if isinstance(source, StagedWeights):
         pairs = source.tensors
@@ -87,10 +89,14 @@ def stage_weights(model: LlamaForCausalLM, source: WeightSource, *, strict: bool
     return StagedWeights(tensors, sum(t.numel() * t.element_size() for _, t in tensors))
 
 
-def apply_weights(model: LlamaForCausalLM, source: WeightSource, *, strict: bool = True, partial: bool = False,
-                  rank: int = 0, world_size: int = 1) -> dict[str, Any]:  # fmt: skip
-    """Checks everything, then writes in place. Returns tensors and bytes written."""
-    specs, stream = describe_source(source)
+def apply_weights(model: LlamaForCausalLM, specs: Iterable[TensorSpec], stream: TensorStream, *, strict: bool = True,
+                  partial: bool = False, rank: int = 0, world_size: int = 1) -> tuple[int, int]:  # fmt: skip
+    """Checks every spec, then writes the streamed tensors in place. Returns (tensors, bytes) written.
+
+    The one write path of every weight change (update_weights, staged or not, and worker extensions
+    such as the weight-sync plugin): a spec that fails raises CheckpointError before ``stream`` is
+    even called.
+    """
     plan = check_source(model, specs, strict=strict, partial=partial)
     written = nbytes = 0
     for name, tensor in stream():
@@ -101,4 +107,4 @@ def apply_weights(model: LlamaForCausalLM, source: WeightSource, *, strict: bool
         plan.destination(target).copy_(shard)
         written += 1
         nbytes += shard.numel() * shard.element_size()
-    return {"tensors": written, "bytes": nbytes}
+    return written, nbytes

@@ -9,16 +9,37 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from aioengine.errors import AIOEngineError
-from aioengine.messages import KVCacheConfig, ModelRunnerOutput, SchedulerOutput
+from aioengine.errors import AIOEngineError, ConfigurationError, EngineStateError
+from aioengine.messages import (
+    KVCacheConfig,
+    ModelInfo,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SleepLevel,
+    TagBytes,
+    WorkerSleepReport,
+    WorkerWakeReport,
+    WorkerWeightsReport,
+    check_choice,
+    check_tags,
+)
+from aioengine.model.loader import TensorSpec
 from aioengine.worker.base import WorkerBase
 from aioengine.worker.model_runner import ModelRunner
-from aioengine.worker.sleep import TAGS, SleepBackend, create_sleep_backend, timed
-from aioengine.worker.weights import StagedWeights, WeightSource, apply_weights, stage_weights
+from aioengine.worker.sleep import SleepBackend, create_sleep_backend
+from aioengine.worker.weights import (
+    StagedWeights,
+    TensorStream,
+    WeightSource,
+    apply_weights,
+    describe_source,
+    stage_weights,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -28,22 +49,32 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise AIOEngineError(f"device.device={name!r} but CUDA is not available here; use 'cpu' or 'auto'")
+        raise ConfigurationError(f"device.device={name!r} but CUDA is not available here; use 'cpu' or 'auto'")
     return torch.device(name)
+
+
+def resolve_model_path(path: str | None) -> str:
+    """The configured checkpoint, or the embedded demo model (built once, cached) when none is set."""
+    if path is not None:
+        return path
+    from aioengine.testing import default_model_dir
+
+    return str(default_model_dir())
 
 
 class Worker(WorkerBase):
     """Device-independent part of a worker; subclasses provide ``_bind_device`` and memory sizing."""
 
-    def __init__(self, config: Any, rank: int = 0, local_rank: int = 0,
-                 distributed_init_method: str | None = None, is_driver_worker: bool = True) -> None:  # fmt: skip
-        super().__init__(config, rank, local_rank, distributed_init_method, is_driver_worker)
+    def __init__(self, config: Any, rank: int = 0, local_rank: int = 0, is_driver_worker: bool = True) -> None:
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
         self.profiler: torch.profiler.profile | None = None
         self.sleep_backend: SleepBackend | None = None
+        self.weights_version = 0
+        """+1 per weight write on any path; every step's output carries it (this worker owns the count)."""
         self._staged: StagedWeights | None = None
         self._shut_down = False
+        super().__init__(config, rank, local_rank, is_driver_worker)
 
     # ---- lifecycle (seeds order) ---------------------------------------------------------------------
     def init_device(self) -> None:
@@ -69,9 +100,9 @@ class Worker(WorkerBase):
 
     def load_model(self) -> None:
         with self._backend().allocation_region("weights"):
-            self._runner().load_model()
+            self._runner().load_model(resolve_model_path(self.config.model.path))
 
-    def get_model_info(self) -> dict[str, Any]:
+    def get_model_info(self) -> ModelInfo:
         return self._runner().model_info()
 
     def get_cache_block_size_bytes(self) -> int:
@@ -82,43 +113,38 @@ class Worker(WorkerBase):
             self._runner().initialize_kv_cache(kv_cache_config)
 
     # ---- sleep / wake --------------------------------------------------------------------------------
-    def sleep(self, level: int = 1) -> dict[str, Any]:
+    def sleep(self, level: SleepLevel = 1) -> WorkerSleepReport:
         """Frees device memory (level 1: weights backed up to host; level 2: weights discarded).
 
-        Returns bytes freed per tag, seconds and notes. Sleeping while asleep changes nothing and says so.
+        Sleeping while asleep changes nothing and says so.
         """
+        check_choice("sleep level", level, SleepLevel)
         backend = self._backend()
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         if backend.asleep:
-            return {"freed_bytes": {"kv_cache": 0, "weights": 0}, "seconds": 0.0,
-                    "notes": [f"already asleep (level {backend.level}); nothing freed"]}  # fmt: skip
+            return WorkerSleepReport(TagBytes(), 0.0, (f"already asleep (level {backend.level}); nothing freed",))
+        start = time.perf_counter()
         self._runner().drop_packed_weights()
-        return timed(backend.sleep, level)
+        freed, notes = backend.sleep(level)
+        return WorkerSleepReport(freed, time.perf_counter() - start, tuple(notes))
 
-    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+    def wake_up(self, tags: Iterable[str] | None = None) -> WorkerWakeReport:
         """Restores ``tags`` (default: all); recaptures decode graphs once everything is awake."""
-        tags = list(TAGS) if tags is None else list(tags)
-        unknown = sorted(set(tags) - set(TAGS))
-        if unknown:
-            raise ValueError(f"unknown wake_up tags {unknown}; known tags: {list(TAGS)}")
+        wanted = check_tags(tags)
         backend = self._backend()
-        report = timed(backend.wake_up, tags)
-        report["graph_capture_seconds"] = 0.0
         runner = self._runner()
-        if "weights" not in backend.asleep:
-            runner.prepack_weights()  # a no-op while the weights are discarded (level 2, not reloaded)
-        if not backend.asleep and runner.decode_runner is not None and not runner.decode_runner.graphs:
-            report["graph_capture_seconds"] = runner.capture_model()
-        report["asleep"] = sorted(backend.asleep)
-        return report
+        start = time.perf_counter()
+        restored = backend.wake_up(wanted)
+        if "weights" not in backend.asleep and backend.weights_valid:
+            runner.prepack_weights()
+        capture = 0.0 if backend.asleep else runner.recapture_if_released()
+        return WorkerWakeReport(restored, time.perf_counter() - start, capture, tuple(sorted(backend.asleep)))
 
     def is_sleeping(self) -> list[str]:
         """Tags still asleep (empty when fully awake)."""
         return sorted(self._backend().asleep)
 
     # ---- hot weight swap --------------------------------------------------------------------------------
-    def stage_weights(self, source: WeightSource, partial: bool = False) -> dict[str, Any]:
+    def stage_weights(self, source: WeightSource, partial: bool = False) -> WorkerWeightsReport:
         """Reads and checks ``source`` into host memory for the next ``update_weights(None)``.
 
         Runs off the step thread (Executor.run_aside) while the engine serves: it only reads the model.
@@ -127,29 +153,43 @@ class Worker(WorkerBase):
         assert model is not None
         start = time.perf_counter()
         self._staged = stage_weights(model, source, strict=self.config.load.strict, partial=partial)
-        return {"tensors": len(self._staged.tensors), "bytes": self._staged.nbytes,
-                "seconds": time.perf_counter() - start}  # fmt: skip
+        return WorkerWeightsReport(len(self._staged.tensors), self._staged.nbytes, time.perf_counter() - start,
+                                   self.weights_version, self._backend().weights_valid)  # fmt: skip
 
-    def update_weights(self, source: WeightSource | None, partial: bool = False) -> dict[str, Any]:
+    def update_weights(self, source: WeightSource | None, partial: bool = False) -> WorkerWeightsReport:
         """Checks the whole source, then writes it in place (``None``: what ``stage_weights`` read)."""
-        if "weights" in self._backend().asleep:
-            raise AIOEngineError("wake the weights first (wake_up(tags=['weights'])), then update them")
-        runner = self._runner()
-        assert runner.model is not None and self.device is not None
         if source is None:
             if self._staged is None:
-                raise AIOEngineError("update_weights(None) without staged weights; call stage_weights first")
+                raise EngineStateError("update_weights(None) without staged weights; call stage_weights first")
             source, self._staged = self._staged, None
+        specs, stream = describe_source(source)
+        return self.write_weights(specs, stream, partial=partial)
+
+    def write_weights(self, specs: Iterable[TensorSpec], stream: TensorStream, *, partial: bool) -> WorkerWeightsReport:
+        """THE weight write of this worker, for ``update_weights`` and for extensions (weight sync).
+
+        Checks every spec against the model (``WeightPlan``: names, shapes, dtypes, repeats, coverage
+        unless ``partial``) before ``stream`` is called, then copies in place; bumps
+        ``weights_version``; a full write makes discarded weights valid again; rebuilds the packed
+        copies. The returned report tells the engine all of it (``EngineCore.weights_written``).
+        """
+        backend = self._backend()
+        if "weights" in backend.asleep:
+            raise EngineStateError("the weights are asleep: wake_up(tags=['weights']) first, then update them")
+        runner = self._runner()
+        assert runner.model is not None and self.device is not None
         start = time.perf_counter()
-        report = apply_weights(runner.model, source, strict=self.config.load.strict, partial=partial,
-                               rank=self.rank, world_size=self.config.parallel.tensor_parallel_size)  # fmt: skip
+        tensors, nbytes = apply_weights(runner.model, specs, stream, strict=self.config.load.strict, partial=partial,
+                                        rank=self.rank, world_size=self.config.parallel.tensor_parallel_size)  # fmt: skip
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.weights_version += 1
         if not partial:
-            runner.weights_ready = True
-        runner.prepack_weights()
-        report["seconds"] = time.perf_counter() - start
-        return report
+            backend.weights_loaded()
+        if backend.weights_valid:
+            runner.prepack_weights()
+        return WorkerWeightsReport(tensors, nbytes, time.perf_counter() - start, self.weights_version,
+                                   backend.weights_valid)  # fmt: skip
 
     def compile_or_warm_up_model(self) -> float:
         """Warm-up forward, then decode graph capture (CUDA); returns seconds, which are logged."""
@@ -166,14 +206,22 @@ class Worker(WorkerBase):
         runner = self._runner()
         cache = runner.cache_engine
         if cache is None:
-            raise AIOEngineError("execute_model before initialize_from_config (the KV cache is not allocated)")
+            raise EngineStateError("execute_model without a KV cache (asleep, or before initialize_from_config)")
+        if not self._backend().weights_valid:
+            raise EngineStateError("refusing to run a forward: the weights were discarded (sleep level 2); "
+                                   "load them again first")  # fmt: skip
         cache.swap_in(scheduler_output.blocks_to_swap_in)
         cache.swap_out(scheduler_output.blocks_to_swap_out)
         cache.copy(scheduler_output.blocks_to_copy)
-        return runner.execute_model(scheduler_output)
+        output = runner.execute_model(scheduler_output)
+        if output is not None:
+            output.weights_version = self.weights_version
+        return output
 
     def sample_tokens(self) -> ModelRunnerOutput:
-        return self._runner().sample_tokens()
+        output = self._runner().sample_tokens()
+        output.weights_version = self.weights_version
+        return output
 
     # ---- profiling, health, shutdown ---------------------------------------------------------------
     def profile(self, is_start: bool = True) -> str | None:
@@ -202,11 +250,21 @@ class Worker(WorkerBase):
         return str(cfg.dir)
 
     def check_health(self) -> None:
+        """Raises unless this worker can serve: shut down, not initialised, or a model that no longer
+        computes (a tiny forward-free probe: every parameter and buffer still has its storage, unless
+        asleep)."""
         if self._shut_down:
             raise AIOEngineError(f"worker rank {self.rank} is shut down")
         runner = self.model_runner
-        if runner is None or runner.model is None or runner.cache_engine is None:
-            raise AIOEngineError(f"worker rank {self.rank} is not initialised (model or KV cache missing)")
+        if runner is None or runner.model is None:
+            raise AIOEngineError(f"worker rank {self.rank} is not initialised (no model loaded)")
+        backend = self._backend()
+        if "kv_cache" not in backend.asleep and runner.cache_engine is None:
+            raise AIOEngineError(f"worker rank {self.rank} is awake but has no KV cache")
+        if "weights" not in backend.asleep:
+            empty = [name for name, p in runner.model.named_parameters() if p.numel() == 0]
+            if empty:
+                raise AIOEngineError(f"worker rank {self.rank} is awake but parameters have no storage: {empty[:3]}")
 
     def shutdown(self) -> None:
         """Seeds order: profiler, then model runner (graphs, cache, model), then device caches. Idempotent."""
@@ -216,13 +274,8 @@ class Worker(WorkerBase):
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None
-        runner = self.model_runner
-        if runner is not None:
-            if runner.decode_runner is not None:
-                runner.decode_runner.release()
-                runner.decode_runner = None
-            runner.cache_engine = None
-            runner.model = None
+        if self.model_runner is not None:
+            self.model_runner.shutdown()
         gc.collect()
         self._release_device_memory()
 

@@ -59,14 +59,12 @@ class WorkerWrapper:
         self.rank = rank
         self.worker: WorkerBase | None = None
 
-    def init_worker(self, config: Any, local_rank: int = 0, distributed_init_method: str | None = None) -> None:
+    def init_worker(self, config: Any, local_rank: int = 0) -> None:
         worker_cls = resolve_obj_by_qualname(_auto_worker_cls(config, local_rank))
         extension = config.parallel.worker_extension_cls
         if extension is not None:
             worker_cls = with_extension(worker_cls, resolve_obj_by_qualname(extension))
-        self.worker = worker_cls(config, rank=self.rank, local_rank=local_rank,
-                                 distributed_init_method=distributed_init_method,
-                                 is_driver_worker=self.rank == 0)  # fmt: skip
+        self.worker = worker_cls(config, rank=self.rank, local_rank=local_rank, is_driver_worker=self.rank == 0)
 
     def __getattr__(self, name: str) -> Any:
         worker = self.__dict__.get("worker")
