@@ -106,9 +106,12 @@ class AsyncEngine:
                 await asyncio.to_thread(self.executor.shutdown)
                 raise
             self._started = True
-            logger.info("engine ready in %.2fs: %d KV blocks of %d tokens", time.perf_counter() - started,
-                        self.core.scheduler.kv.num_usable_blocks if self.core else 0,
-                        self.config.cache.block_size)  # fmt: skip
+            logger.info(
+                "engine ready in %.2fs: %d KV blocks of %d tokens",
+                time.perf_counter() - started,
+                self.core.scheduler.kv.num_usable_blocks if self.core else 0,
+                self.config.cache.block_size,
+            )
 
     async def _init_workers(self, executor: Executor) -> None:
         rpc = executor.collective_rpc
@@ -169,13 +172,16 @@ class AsyncEngine:
         assert self._control is not None
         return self._control
 
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        ids: list[int] = self.tokenizer(prompt).input_ids if prompt else []
+        return ids
+
     def _make_request(self, core: EngineCore, prompt: Prompt, params: SamplingParams, request_id: str) -> Request:
         info = self.model_info
         assert info is not None
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer(prompt).input_ids if prompt else []
-        else:
-            token_ids = list(prompt)
+        token_ids = self._prompt_ids(prompt)
         if not token_ids:
             raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
         vocab = info.vocab_size
@@ -253,7 +259,8 @@ class AsyncEngine:
         core = self._require_core()
         assert self.executor is not None
         results = await self.executor.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
-        reports = [r for r in (results if unique_reply_rank is None else [results]) if isinstance(r, WorkerWeightsReport)]
+        replies = results if unique_reply_rank is None else [results]
+        reports = [r for r in replies if isinstance(r, WorkerWeightsReport)]
         if reports:
             core.weights_written(WorkerWeightsReport.merge(reports))
         return results

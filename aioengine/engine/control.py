@@ -40,8 +40,7 @@ weights), "drain" finishes them on the old weights first, "abort" ends them, "re
 KV and recomputes it under the new weights."""
 
 _SLEEP_QUIESCE: dict[str, QuiesceMode] = {"wait": "drain", "abort": "abort", "keep": "preempt"}
-_UPDATE_QUIESCE: dict[str, QuiesceMode] = {"pause": "pause", "drain": "drain", "abort": "abort",
-                                           "recompute": "preempt"}  # fmt: skip
+_UPDATE_QUIESCE: dict[str, QuiesceMode] = {"pause": "pause", "drain": "drain", "abort": "abort", "recompute": "preempt"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +112,15 @@ class EngineControl:
                 return report
 
             worker = await session.run(on_workers())
-        report = SleepReport(level, mode, worker.freed_bytes, time.perf_counter() - start, session.aborted,
-                             session.preempted, (*worker.notes, *notes))  # fmt: skip
+        report = SleepReport(
+            level,
+            mode,
+            worker.freed_bytes,
+            time.perf_counter() - start,
+            session.aborted,
+            session.preempted,
+            (*worker.notes, *notes),
+        )
         logger.info("asleep (level %d): freed %s in %.3fs", level, report.freed_bytes, report.seconds)
         return report
 
@@ -124,8 +130,9 @@ class EngineControl:
         async with core.control() as session:
             todo = tuple(t for t in wanted if t in core.memory.asleep)
             if not todo:
-                return WakeReport(TagBytes(), 0.0, tuple(sorted(core.memory.asleep)),
-                                  notes=(f"already awake: {list(wanted)}",))  # fmt: skip
+                return WakeReport(
+                    TagBytes(), 0.0, tuple(sorted(core.memory.asleep)), notes=(f"already awake: {list(wanted)}",)
+                )
             await session.quiesce("pause")  # nothing runs while asleep: this only orders the call
 
             async def on_workers() -> WorkerWakeReport:
@@ -135,13 +142,18 @@ class EngineControl:
 
             worker = await session.run(on_workers())
         asleep = tuple(sorted(core.memory.asleep))
-        notes = worker.notes if core.memory.weights_valid else (
-            *worker.notes, "weights were discarded (level 2): call reload_weights() or update_weights()")  # fmt: skip
-        return WakeReport(worker.restored_bytes, worker.seconds, asleep, worker.graph_capture_seconds,
-                          tuple(dict.fromkeys(notes)))  # fmt: skip
+        notes = (
+            worker.notes
+            if core.memory.weights_valid
+            else (*worker.notes, "weights were discarded (level 2): call reload_weights() or update_weights()")
+        )
+        return WakeReport(
+            worker.restored_bytes, worker.seconds, asleep, worker.graph_capture_seconds, tuple(dict.fromkeys(notes))
+        )
 
-    async def update_weights(self, source: Any, mode: UpdateMode = "pause", partial: bool = False,
-                             stage: bool = False) -> WeightUpdateReport:  # fmt: skip
+    async def update_weights(
+        self, source: Any, mode: UpdateMode = "pause", partial: bool = False, stage: bool = False
+    ) -> WeightUpdateReport:
         check_choice("update_weights mode", mode, UpdateMode)
         core = self.core
         start = time.perf_counter()
@@ -155,14 +167,28 @@ class EngineControl:
             await session.quiesce(_UPDATE_QUIESCE[mode])
 
             async def on_workers() -> WorkerWeightsReport:
-                report = WorkerWeightsReport.merge(await self.executor.collective_rpc("update_weights", (source, partial)))
+                replies = await self.executor.collective_rpc("update_weights", (source, partial))
+                report = WorkerWeightsReport.merge(replies)
                 core.weights_written(report)
                 return report
 
             worker = await session.run(on_workers())
             pause_seconds = time.perf_counter() - pause_start
-        report = WeightUpdateReport(mode, worker.tensors, worker.bytes, worker.weights_version,
-                                    time.perf_counter() - start, pause_seconds, session.aborted, session.preempted)  # fmt: skip
-        logger.info("weights v%d: %d tensors in %.3fs (requests paused %.3fs)", report.weights_version,
-                    report.tensors, report.seconds, report.pause_seconds)  # fmt: skip
+        report = WeightUpdateReport(
+            mode,
+            worker.tensors,
+            worker.bytes,
+            worker.weights_version,
+            time.perf_counter() - start,
+            pause_seconds,
+            session.aborted,
+            session.preempted,
+        )
+        logger.info(
+            "weights v%d: %d tensors in %.3fs (requests paused %.3fs)",
+            report.weights_version,
+            report.tensors,
+            report.seconds,
+            report.pause_seconds,
+        )
         return report

@@ -238,7 +238,7 @@ class EngineCore:
                 await self._wake.wait()
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # noqa: BLE001 - any failure of a step ends every stream, never hangs it
+        except BaseException as exc:  # any failure of a step ends every stream, never hangs it
             logger.exception("engine step failed; the engine is dead")
             self.fail(EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}"), cause=exc)
 
@@ -296,8 +296,15 @@ class EngineCore:
         if finished:
             self._drop(request.req_id)
 
-    def _publish(self, request: Request, new_ids: list[int], delta: str, finished: bool, notify: bool = True,
-                 weights_version: int | None = None) -> None:  # fmt: skip
+    def _publish(
+        self,
+        request: Request,
+        new_ids: list[int],
+        delta: str,
+        finished: bool,
+        notify: bool = True,
+        weights_version: int | None = None,
+    ) -> None:
         collector = self.collectors.get(request.req_id)
         detok = self.detokenizers.get(request.req_id)
         if collector is None or not notify:

@@ -53,9 +53,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=self.skip_special)
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        decoder = self._backend if self._backend is not None else self.tokenizer
+        text: str = decoder.decode(ids, skip_special_tokens=self.skip_special)
+        return text
 
     def add(self, token_ids: list[int], finished: bool) -> tuple[str, str | None]:
         """Feeds new ids; returns (delta text to stream now, the stop string hit or None)."""

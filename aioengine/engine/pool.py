@@ -10,6 +10,7 @@ dropped. An engine idle for ``idle_timeout`` seconds goes to sleep by itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -77,6 +78,8 @@ class EnginePool:
         self.sleep_level = sleep_level
         self.num_switches = 0
         self._switch_lock = asyncio.Lock()
+        self._leaving: set[str] = set()
+        """Engines being put to sleep by a switch: their new requests wait for the switch instead."""
         self._idle_task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> EnginePool:
@@ -87,16 +90,23 @@ class EnginePool:
         await self.shutdown()
 
     async def start(self) -> None:
-        """Starts every engine and puts it to sleep, measuring what its sleep frees (its footprint)."""
-        for name, tenant in self.tenants.items():
-            await tenant.engine.start()
-            report = await tenant.engine.sleep(self.sleep_level, mode="wait")
-            tenant.footprint = report.freed_bytes.total
-            if self.budget_bytes is not None and tenant.footprint > self.budget_bytes:
-                raise ConfigurationError(
-                    f"engine {name!r} needs {tenant.footprint} bytes awake, more than the pool budget "
-                    f"{self.budget_bytes}; raise budget_bytes or shrink that engine's KV cache"
-                )
+        """Starts every engine and puts it to sleep, measuring what its sleep frees (its footprint).
+
+        If one cannot start (or does not fit the budget), every engine started so far is shut down.
+        """
+        try:
+            for name, tenant in self.tenants.items():
+                await tenant.engine.start()
+                report = await tenant.engine.sleep(self.sleep_level, mode="wait")
+                tenant.footprint = report.freed_bytes.total
+                if self.budget_bytes is not None and tenant.footprint > self.budget_bytes:
+                    raise ConfigurationError(
+                        f"engine {name!r} needs {tenant.footprint} bytes awake, more than the pool budget "
+                        f"{self.budget_bytes}; raise budget_bytes or shrink that engine's KV cache"
+                    )
+        except BaseException:
+            await self.shutdown()
+            raise
         if self.idle_timeout is not None:
             self._idle_task = asyncio.get_running_loop().create_task(self._sleep_idle_engines())
 
@@ -109,9 +119,12 @@ class EnginePool:
             ) from None
 
     async def generate(
-        self, model_name: str, prompt: Prompt, params: SamplingParams | dict[str, Any] | None = None,
+        self,
+        model_name: str,
+        prompt: Prompt,
+        params: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
+    ) -> AsyncIterator[RequestOutput]:
         """Streams one request on ``model_name``'s engine, waking it first if needed."""
         tenant = self._tenant(model_name)
         await self._acquire(model_name, tenant)
@@ -123,10 +136,18 @@ class EnginePool:
             tenant.last_used = time.monotonic()
 
     async def _acquire(self, name: str, tenant: _Tenant) -> None:
+        if tenant.awake and name not in self._leaving:
+            # Awake and staying so: no need to queue behind a switch of other models (which may be
+            # waiting for a busy victim to drain).
+            tenant.active += 1
+            tenant.last_used = time.monotonic()
+            return
         async with self._switch_lock:
             if not tenant.awake:
                 await self._make_room_for(name, tenant)
                 await tenant.engine.wake_up()
+                if not tenant.engine.stats().weights_valid:  # sleep_level=2 discarded them
+                    await tenant.engine.reload_weights()
                 self.num_switches += 1
                 logger.info("pool: %s awake (%d bytes)", name, tenant.footprint)
             tenant.active += 1
@@ -140,8 +161,13 @@ class EnginePool:
             over_budget = self.budget_bytes is not None and used + tenant.footprint > self.budget_bytes
             if not awake or not (over_count or over_budget):
                 return
-            victim_name, victim = min(awake, key=lambda item: item[1].last_used)
-            await victim.engine.sleep(self.sleep_level, mode="wait")  # its requests finish first
+            # An idle engine first (nothing to drain), then the least recently used.
+            victim_name, victim = min(awake, key=lambda item: (item[1].active > 0, item[1].last_used))
+            self._leaving.add(victim_name)
+            try:
+                await victim.engine.sleep(self.sleep_level, mode="wait")  # its requests finish first
+            finally:
+                self._leaving.discard(victim_name)
             logger.info("pool: %s asleep to make room for %s", victim_name, name)
 
     async def _sleep_idle_engines(self) -> None:
@@ -152,7 +178,12 @@ class EnginePool:
             async with self._switch_lock:
                 for name, tenant in self.tenants.items():
                     if tenant.awake and tenant.active == 0 and now - tenant.last_used >= self.idle_timeout:
-                        await tenant.engine.sleep(self.sleep_level, mode="wait")
+                        try:
+                            await tenant.engine.sleep(self.sleep_level, mode="wait")
+                        except Exception:  # one engine's failure must not end idle sleeping for all
+                            logger.exception("pool: putting idle %s to sleep failed; it stays awake", name)
+                            tenant.last_used = now  # try again after another idle_timeout
+                            continue
                         logger.info("pool: %s asleep after %.1fs idle", name, now - tenant.last_used)
 
     def awake_models(self) -> list[str]:
@@ -171,10 +202,8 @@ class EnginePool:
         """Stops the idle watcher and every engine (asleep or not). Safe to call more than once."""
         if self._idle_task is not None:
             self._idle_task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._idle_task
-            except asyncio.CancelledError:
-                pass
             self._idle_task = None
         for tenant in self.tenants.values():
             await tenant.engine.shutdown()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from aioengine.config import EngineConfig
 from aioengine.engine.async_engine import AsyncEngine, EngineStats, Prompt
@@ -57,17 +57,17 @@ class Engine:
         ``prompts`` is one prompt (a string or a list of token ids) or a list of them; ``params``
         one SamplingParams for all or one per prompt.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        one_prompt = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        batch: list[Prompt] = [cast(Prompt, prompts)] if one_prompt else list(cast(Sequence[Prompt], prompts))
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        return self._run(self._generate_all(prompts, list(params), use_tqdm))
+            params = [params or SamplingParams()] * len(batch)
+        if len(params) != len(batch):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(batch)} prompts")
+        return self._run(self._generate_all(batch, list(params), use_tqdm))
 
-    async def _generate_all(self, prompts: list[Prompt], params: list[SamplingParams],
-                            use_tqdm: bool) -> list[RequestOutput]:  # fmt: skip
+    async def _generate_all(
+        self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
@@ -81,7 +81,7 @@ class Engine:
             return last
 
         try:
-            return list(await asyncio.gather(*(one(pr, pa) for pr, pa in zip(prompts, params))))
+            return list(await asyncio.gather(*(one(pr, pa) for pr, pa in zip(prompts, params, strict=True))))
         finally:
             bar.close()
 
