@@ -18,6 +18,7 @@ from aioengine.errors import (
     ConfigurationError,
     EngineDeadError,
     EngineNotStartedError,
+    EngineStateError,
     InvalidRequestError,
     RequestTooLargeError,
 )
@@ -82,6 +83,8 @@ class AsyncEngine:
         self._started = False
         self._closed = False
         self._start_lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop the engine was started in: its step loop and every stream live there."""
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
@@ -94,10 +97,11 @@ class AsyncEngine:
     async def start(self) -> None:
         """Builds the executor and runs the worker lifecycle of the seeds through collective_rpc."""
         async with self._start_lock:
-            if self._started:
-                return
             if self._closed:
                 raise EngineDeadError("engine was shut down; create a new one")
+            if self._started:
+                return
+            self._loop = asyncio.get_running_loop()
             started = time.perf_counter()
             self.executor = await asyncio.to_thread(_make_executor, self.config)
             try:
@@ -165,6 +169,15 @@ class AsyncEngine:
             raise EngineNotStartedError("call `await engine.start()` or use `async with AsyncEngine(...)` first")
         if self.core.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.core.dead}") from self.core.dead
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not None and running is not self._loop:
+            raise EngineStateError(
+                "this engine was started in another event loop; an AsyncEngine serves only the loop it was "
+                "started in (use one engine per loop, or the sync Engine, which runs its own loop)"
+            )
         return self.core
 
     def _require_control(self) -> EngineControl:
@@ -236,7 +249,7 @@ class AsyncEngine:
                 yield out
         finally:
             if not finished:  # consumer cancelled or stopped early: free the request's blocks now
-                core.abort(request_id, notify=False)
+                core.release_stream(request_id, collector)
 
     async def abort(self, request_id: str) -> bool:
         """Ends a request with finish_reason "abort"; True if it was in flight."""

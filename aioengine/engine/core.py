@@ -146,6 +146,12 @@ class EngineCore:
         self._kick()
         return bool(done)
 
+    def release_stream(self, req_id: str, collector: OutputCollector) -> None:
+        """A stream closed before its last output: aborts its request, if the id is still that stream's
+        (a finished request's id may already serve a new request, which must not be touched)."""
+        if self.collectors.get(req_id) is collector:
+            self.abort(req_id, notify=False)
+
     def abort_all(self) -> int:
         """Aborts every accepted request (each stream ends with finish_reason "abort"); returns how many."""
         ids = list(self.scheduler.requests) + [r.req_id for r in self.held]
