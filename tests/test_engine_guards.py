@@ -30,8 +30,8 @@ async def test_closing_a_stale_stream_leaves_a_new_request_with_the_same_id_alon
     out = await anext(stream)  # the new request runs
     await old.aclose()  # the old stream's clean-up must not abort the new request
     async with asyncio.timeout(TIMEOUT):
-        async for out in stream:
-            pass
+        outputs = [out] + [later async for later in stream]
+    out = outputs[-1]
     assert out.finished and out.finish_reason == "length" and len(out.token_ids) == 40
 
 
