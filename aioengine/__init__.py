@@ -10,12 +10,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from aioengine.config import EngineConfig
-    from aioengine.engine.async_engine import AsyncEngine, EngineStats
-    from aioengine.engine.outputs import RequestOutput
-    from aioengine.engine.pool import EnginePool
-    from aioengine.engine.sync import Engine
-    from aioengine.sampling.params import SamplingParams
+    # Re-exported for type checkers (the redundant aliases mark them so); loaded lazily by __getattr__.
+    from aioengine.config import EngineConfig as EngineConfig
+    from aioengine.engine.async_engine import AsyncEngine as AsyncEngine
+    from aioengine.engine.async_engine import EngineStats as EngineStats
+    from aioengine.engine.outputs import RequestOutput as RequestOutput
+    from aioengine.engine.pool import EnginePool as EnginePool
+    from aioengine.engine.sync import Engine as Engine
+    from aioengine.sampling.params import SamplingParams as SamplingParams
 
 _EXPORTS = {
     "AsyncEngine": "aioengine.engine.async_engine",

@@ -20,14 +20,18 @@ DEMO_PROMPTS = ["Once upon a time", "The engine woke up and", "Asyncio lets one 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aioengine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("demo", "generate with the embedded default model (built locally once, then cached)"),
-                       ("generate", "generate from an HF checkpoint directory")):  # fmt: skip
+    for name, text in (
+        ("demo", "generate with the embedded default model (built locally once, then cached)"),
+        ("generate", "generate from an HF checkpoint directory"),
+    ):
         p = sub.add_parser(name, help=text, description=text)
         if name == "generate":
             p.add_argument("--model", required=True, help="HF checkpoint directory (config.json + *.safetensors)")
             p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for several")
         else:
-            p.add_argument("--prompt", action="append", help="a prompt; repeat for several (default: three demo prompts)")
+            p.add_argument(
+                "--prompt", action="append", help="a prompt; repeat for several (default: three demo prompts)"
+            )
         p.add_argument("--config", help="TOML config file (see config.example.toml)")
         p.add_argument("--max-tokens", type=int, default=48)
         p.add_argument("--temperature", type=float, default=0.8)
@@ -51,11 +55,13 @@ async def _run(args: argparse.Namespace) -> int:
         print("aioengine: using the embedded demo model (random weights: expect gibberish text)", file=sys.stderr)
     async with AsyncEngine(config) as engine:
         start = time.perf_counter()
-        finals = await asyncio.gather(*(_stream(engine, i, p, params, len(prompts) == 1) for i, p in enumerate(prompts)))
+        finals = await asyncio.gather(
+            *(_stream(engine, i, p, params, len(prompts) == 1) for i, p in enumerate(prompts))
+        )
         seconds = time.perf_counter() - start
         tokens = sum(len(out.token_ids) for out in finals)
         if len(prompts) > 1:
-            for i, (prompt, out) in enumerate(zip(prompts, finals)):
+            for i, (prompt, out) in enumerate(zip(prompts, finals, strict=True)):
                 print(f"[{i}] {prompt!r} -> {out.text!r} ({out.finish_reason})")
         print(f"\n{tokens} tokens from {len(prompts)} requests in {seconds:.2f}s: {tokens / seconds:.1f} tokens/s")
     return 0
@@ -76,7 +82,9 @@ async def _stream(engine: AsyncEngine, index: int, prompt: str, params: Sampling
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     loop = new_event_loop()
     try:
         return loop.run_until_complete(_run(args))

@@ -60,9 +60,7 @@ _DOTTED_NAME_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
 def _check_dotted_name(value: str) -> str:
     if not _DOTTED_NAME_RE.fullmatch(value):
-        raise ValueError(
-            f"expected an importable 'module.Qualname' such as 'mypkg.ext.MyExtension', got {value!r}"
-        )
+        raise ValueError(f"expected an importable 'module.Qualname' such as 'mypkg.ext.MyExtension', got {value!r}")
     return value
 
 
@@ -85,9 +83,7 @@ class ModelConfig(_Section):
         None,
         description="Hugging Face checkpoint directory. None serves the embedded demo model.",
     )
-    tokenizer: str | None = Field(
-        None, description="Tokenizer directory. None uses the checkpoint directory (`path`)."
-    )
+    tokenizer: str | None = Field(None, description="Tokenizer directory. None uses the checkpoint directory (`path`).")
     dtype: DType = Field(
         "auto",
         description="Weight and activation dtype. 'auto' is float32 on CPU, the checkpoint's dtype on CUDA.",
@@ -124,9 +120,7 @@ class CacheConfig(_Section):
     @classmethod
     def _block_size_is_power_of_two(cls, value: int) -> int:
         if not (1 <= value <= 256 and value & (value - 1) == 0):
-            raise ValueError(
-                f"block_size must be a power of two from 1 to 256 (1, 2, 4, ..., 256), got {value}"
-            )
+            raise ValueError(f"block_size must be a power of two from 1 to 256 (1, 2, 4, ..., 256), got {value}")
         return value
 
 
@@ -138,9 +132,7 @@ class SchedulerConfig(_Section):
     """
 
     max_num_seqs: int = Field(64, ge=1, description="Most sequences running in one step.")
-    max_num_batched_tokens: int = Field(
-        512, ge=1, description="Most tokens (prefill + decode) computed in one step."
-    )
+    max_num_batched_tokens: int = Field(512, ge=1, description="Most tokens (prefill + decode) computed in one step.")
     enable_chunked_prefill: bool = Field(
         True, description="Split long prompts over several steps so decodes keep running."
     )
@@ -189,9 +181,7 @@ class ParallelConfig(_Section):
 class DeviceConfig(_Section):
     """The device the model runs on."""
 
-    device: str = Field(
-        "auto", description="'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'."
-    )
+    device: str = Field("auto", description="'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads on CPU. None keeps torch's default."
     )
@@ -215,8 +205,7 @@ class DeviceConfig(_Section):
     def _device_is_known(cls, value: str) -> str:
         if not _DEVICE_RE.fullmatch(value):
             raise ValueError(
-                "device must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a device index, e.g. 'cuda:0'), "
-                f"got {value!r}"
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a device index, e.g. 'cuda:0'), got {value!r}"
             )
         return value
 
@@ -228,9 +217,7 @@ class LoadConfig(_Section):
         "safetensors",
         description="Weight file format. Only safetensors: pickle formats (.bin, .pt) can run code; refused.",
     )
-    strict: bool = Field(
-        True, description="Fail on checkpoint tensors the model does not use. False ignores them."
-    )
+    strict: bool = Field(True, description="Fail on checkpoint tensors the model does not use. False ignores them.")
 
 
 class CompileConfig(_Section):

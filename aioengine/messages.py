@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, get_args
 
 if TYPE_CHECKING:  # messages sits at the bottom of the import graph: no runtime imports of ours
     from aioengine.sampling.params import SamplingParams
@@ -50,7 +50,7 @@ def check_tags(tags: Iterable[str] | None) -> tuple[WakeTag, ...]:
         return WAKE_TAGS
     if isinstance(tags, str):
         raise ValueError(f"wake_up tags must be a list such as ['weights'], got the string {tags!r}")
-    return tuple(dict.fromkeys(check_choice("wake_up tag", t, WakeTag) for t in tags))
+    return tuple(dict.fromkeys(cast(WakeTag, check_choice("wake_up tag", t, WakeTag)) for t in tags))
 
 
 # ---- one step --------------------------------------------------------------------------------------------

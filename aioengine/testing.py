@@ -14,7 +14,9 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
@@ -33,7 +35,8 @@ __all__ = ["SUPPORTED_TEST_ARCHS", "build_checkpoint", "build_tokenizer", "defau
 
 SUPPORTED_TEST_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
-_CONFIGS: dict[str, tuple[type[PretrainedConfig], str]] = {
+# Callable[..., ...]: the config classes take fields their signatures do not list (e.g. Qwen2Config's head_dim).
+_CONFIGS: dict[str, tuple[Callable[..., PretrainedConfig], str]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM"),
     "mistral": (MistralConfig, "MistralForCausalLM"),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
@@ -111,7 +114,7 @@ naïve café, résumé, façade, jalapeño, über, smörgåsbord, crème brûlé
 中文文本：你好，世界！今天天气很好。我们一起学习。
 한국어 텍스트: 안녕하세요, 세계! 감사합니다.
 emoji 🤖🚀🎉👍😀❤️🔥✨🌍🐍 and symbols → ← ✓ © ® ™ € £ ¥ ° ± × ÷ ∞ ≈ ≠ ≤ ≥ …
-"""
+"""  # noqa: RUF001 - deliberately multilingual: Greek letters, fullwidth CJK punctuation and symbols
 
 
 @functools.lru_cache(maxsize=8)
@@ -162,7 +165,7 @@ def build_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
 def _max_shard_size(model: torch.nn.Module, num_shards: int) -> int:
     # Smallest shard limit that HF's own splitter turns into at most num_shards files (the count only
     # falls as the limit grows), so asking for N shards gives N files whenever the tensors allow it.
-    tensors = dict(model.named_parameters())  # named_parameters() lists a tied weight once
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())  # lists a tied weight once
     lo = 1
     hi = sum(t.numel() * t.element_size() for t in tensors.values())
     while lo < hi:
@@ -241,7 +244,8 @@ def build_checkpoint(
         head_dim = hidden_size // num_heads  # explicit: Qwen3Config would default to 128, Qwen2's to None
     config_cls, architecture = _CONFIGS[arch]
     # Mistral without a sliding window behaves like HF's at any length; real Qwen3 has no q/k/v bias.
-    extra = {"mistral": {"sliding_window": None}, "qwen3": {"attention_bias": False}}.get(arch, {})
+    extras: dict[str, dict[str, Any]] = {"mistral": {"sliding_window": None}, "qwen3": {"attention_bias": False}}
+    extra = extras.get(arch, {})
     config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

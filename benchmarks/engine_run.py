@@ -64,8 +64,12 @@ async def stream_tokens(engine: AsyncEngine, req: BenchRequest, on_output: Calla
 def replayable(sched: SchedulerOutput) -> SchedulerOutput:
     """``sched`` with its placeholders (async scheduling) as token 0: a replay has no previous step to
     take them from, and which token a row computes does not change its cost."""
-    reqs = [dataclasses.replace(r, token_ids=[0 if t == PLACEHOLDER_TOKEN_ID else t for t in r.token_ids])
-            if PLACEHOLDER_TOKEN_ID in r.token_ids else r for r in sched.requests]  # fmt: skip
+    reqs = [
+        dataclasses.replace(r, token_ids=[0 if t == PLACEHOLDER_TOKEN_ID else t for t in r.token_ids])
+        if PLACEHOLDER_TOKEN_ID in r.token_ids
+        else r
+        for r in sched.requests
+    ]
     return dataclasses.replace(sched, requests=reqs)
 
 
@@ -107,7 +111,7 @@ async def run_offline(engine: AsyncEngine, reqs: list[BenchRequest]) -> EngineRu
             counts = await asyncio.gather(*(stream_tokens(engine, r) for r in reqs))
             wall = time.perf_counter() - start
     after = engine.stats()
-    short = sum(1 for c, r in zip(counts, reqs) if c != r.max_tokens)
+    short = sum(1 for c, r in zip(counts, reqs, strict=True) if c != r.max_tokens)
     note = f"{short} requests got a different token count" if short else "all requests submitted at once"
     steps = after.num_steps - before.num_steps
     if len(recorder.steps) != steps:  # the engine no longer steps through executor.submit_step

@@ -58,8 +58,10 @@ def gemm_steps(worker: Any, shapes: list[tuple[int, int]]) -> list[float]:
     """
     body, head = _linears(worker.model_runner.model)
     most = max((n for n, _ in shapes), default=1)
-    inputs = {m.in_features: torch.randn(most, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
-              for m in body + head}  # fmt: skip
+    inputs = {
+        m.in_features: torch.randn(most, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
+        for m in body + head
+    }
     seconds = []
     for num_tokens, num_samples in shapes:
         start = time.perf_counter()

@@ -35,8 +35,9 @@ def _generate_batch(model: Any, batch: list[BenchRequest]) -> None:
     mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
     new = max(r.max_tokens for r in batch)
     # min_new_tokens = max_new_tokens keeps EOS from ending any row early.
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                   pad_token_id=0)  # fmt: skip
+    model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+    )
 
 
 def run_hf_static(path: Path, reqs: list[BenchRequest], batch_size: int) -> SystemResult:
@@ -67,13 +68,19 @@ def run_hf_continuous(path: Path, reqs: list[BenchRequest], max_batch_tokens: in
         return SystemResult(name, None, None, "not available in this transformers version")
     page = 256
     blocks = sum(-(-(len(r.prompt) + r.max_tokens) // page) for r in reqs) + 8
-    gen = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in reqs), eos_token_id=-1,
-                           pad_token_id=0)  # fmt: skip
-    cb = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=max_batch_tokens,
-                                  max_requests_per_batch=max_seqs)  # fmt: skip
+    gen = GenerationConfig(
+        do_sample=False, max_new_tokens=max(r.max_tokens for r in reqs), eos_token_id=-1, pad_token_id=0
+    )
+    cb = ContinuousBatchingConfig(
+        page_size=page, num_blocks=blocks, max_batch_tokens=max_batch_tokens, max_requests_per_batch=max_seqs
+    )
     done: dict[str, int] = {}
-    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
-                                                   warmup=True) as manager, CpuLoad() as load:  # fmt: skip
+    with (
+        model.continuous_batching_context_manager(
+            generation_config=gen, continuous_batching_config=cb, warmup=True
+        ) as manager,
+        CpuLoad() as load,
+    ):
         start = time.perf_counter()
         for i, r in enumerate(reqs):
             manager.add_request(r.prompt, request_id=f"r{i}", max_new_tokens=r.max_tokens, eos_token_id=-1)

@@ -8,6 +8,7 @@ is that delay as the application sees it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import numpy as np
@@ -33,10 +34,8 @@ class LoopLag:
     async def __aexit__(self, *exc: object) -> None:
         assert self._task is not None
         self._task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await self._task
-        except asyncio.CancelledError:
-            pass
 
     async def _tick(self) -> None:
         while True:

@@ -13,15 +13,16 @@ import time
 import numpy as np
 
 from aioengine import AsyncEngine
-from benchmarks.engine_run import stream_tokens
 from benchmarks.cpu_load import CpuLoad
+from benchmarks.engine_run import stream_tokens
 from benchmarks.loop_lag import LoopLag, percentile
 from benchmarks.results import OnlineResult
 from benchmarks.workload import BenchRequest, output_tokens
 
 
-async def serve_poisson(engine: AsyncEngine, reqs: list[BenchRequest], rate: float, fraction: float,
-                        seed: int = 1) -> OnlineResult:  # fmt: skip
+async def serve_poisson(
+    engine: AsyncEngine, reqs: list[BenchRequest], rate: float, fraction: float, seed: int = 1
+) -> OnlineResult:
     """Submits ``reqs`` in order at exponential gaps of mean ``1 / rate`` seconds."""
     arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, len(reqs)))
     arrivals -= arrivals[0]  # the first request arrives at once
@@ -46,7 +47,7 @@ async def serve_poisson(engine: AsyncEngine, reqs: list[BenchRequest], rate: flo
     with CpuLoad() as load:
         async with LoopLag() as lag:
             start = time.perf_counter()
-            await asyncio.gather(*(client(r, start + float(a)) for r, a in zip(reqs, arrivals)))
+            await asyncio.gather(*(client(r, start + float(a)) for r, a in zip(reqs, arrivals, strict=True)))
             wall = time.perf_counter() - start
     return OnlineResult(
         rate=rate,

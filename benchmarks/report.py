@@ -49,14 +49,21 @@ def systems_table(run: EngineRun, systems: list[SystemResult]) -> list[str]:
     if (best := best_static(systems)) is not None:
         rows.append(best)
     head = ["system", "output tokens/s", "seconds", "aioengine / system", "other load (cores)", "note"]
-    return _table(head, [[
-        s.name,
-        "not available" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}",
-        "-" if s.seconds is None else f"{s.seconds:.2f}",
-        _ratio(ours, s.tokens_per_s),
-        _load(s.others_load),
-        s.note,
-    ] for s in rows], left=(0, 5))  # fmt: skip
+    return _table(
+        head,
+        [
+            [
+                s.name,
+                "not available" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}",
+                "-" if s.seconds is None else f"{s.seconds:.2f}",
+                _ratio(ours, s.tokens_per_s),
+                _load(s.others_load),
+                s.note,
+            ]
+            for s in rows
+        ],
+        left=(0, 5),
+    )
 
 
 def time_table(run: EngineRun, floors: Floors | None) -> list[str]:
@@ -87,16 +94,43 @@ def time_table(run: EngineRun, floors: Floors | None) -> list[str]:
 
 def online_table(online: list[OnlineResult]) -> list[str]:
     """Latency percentiles and loop lag per arrival rate."""
-    head = ["online: Poisson rate req/s (of offline)", "requests", "output tokens/s", "TTFT p50 ms", "TTFT p99 ms",
-            "ITL p50 ms", "ITL p99 ms", "loop lag p99 ms", "other load"]  # fmt: skip
-    return _table(head, [[
-        f"{o.rate:.2f} ({o.fraction:.0%})", str(o.num_requests), f"{o.tokens_per_s:.1f}", _ms(o.ttft_p50),
-        _ms(o.ttft_p99), _ms(o.itl_p50), _ms(o.itl_p99), _ms(o.loop_lag_p99), _load(o.others_load),
-    ] for o in online])  # fmt: skip
+    head = [
+        "online: Poisson rate req/s (of offline)",
+        "requests",
+        "output tokens/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "loop lag p99 ms",
+        "other load",
+    ]
+    return _table(
+        head,
+        [
+            [
+                f"{o.rate:.2f} ({o.fraction:.0%})",
+                str(o.num_requests),
+                f"{o.tokens_per_s:.1f}",
+                _ms(o.ttft_p50),
+                _ms(o.ttft_p99),
+                _ms(o.itl_p50),
+                _ms(o.itl_p99),
+                _ms(o.loop_lag_p99),
+                _load(o.others_load),
+            ]
+            for o in online
+        ],
+    )
 
 
-def noisy(run: EngineRun, systems: list[SystemResult], floors: Floors | None, online: list[OnlineResult],
-          threshold: float = 0.3) -> list[str]:  # fmt: skip
+def noisy(
+    run: EngineRun,
+    systems: list[SystemResult],
+    floors: Floors | None,
+    online: list[OnlineResult],
+    threshold: float = 0.3,
+) -> list[str]:
     """Names of the measurements taken while other processes kept more than ``threshold`` cores busy."""
     loads = [(s.name, s.others_load) for s in [run.result, *systems]]
     loads += [("floors", floors.others_load if floors else None)]
@@ -104,20 +138,30 @@ def noisy(run: EngineRun, systems: list[SystemResult], floors: Floors | None, on
     return [f"{name} ({load:.2f})" for name, load in loads if load is not None and load > threshold]
 
 
-def markdown(title: str, run: EngineRun, systems: list[SystemResult], floors: Floors | None,
-             online: list[OnlineResult]) -> str:  # fmt: skip
+def markdown(
+    title: str, run: EngineRun, systems: list[SystemResult], floors: Floors | None, online: list[OnlineResult]
+) -> str:
     """The whole report: ``title``, then the three tables."""
     lines = [title, "", *systems_table(run, systems), "", *time_table(run, floors)]
     if online:
         lines += ["", *online_table(online)]
     if busy := noisy(run, systems, floors, online):
-        lines += ["", f"**Noisy**: other processes kept cores busy during {', '.join(busy)}; torch's "
-                  "threads then wait on each other and a number can be several times too slow. Rerun."]  # fmt: skip
+        lines += [
+            "",
+            f"**Noisy**: other processes kept cores busy during {', '.join(busy)}; torch's "
+            "threads then wait on each other and a number can be several times too slow. Rerun.",
+        ]
     return "\n".join(lines)
 
 
-def write_json(path: Path, meta: dict[str, Any], run: EngineRun, systems: list[SystemResult],
-               floors: Floors | None, online: list[OnlineResult]) -> None:  # fmt: skip
+def write_json(
+    path: Path,
+    meta: dict[str, Any],
+    run: EngineRun,
+    systems: list[SystemResult],
+    floors: Floors | None,
+    online: list[OnlineResult],
+) -> None:
     """Everything measured plus ``meta`` (model, versions, limits) as one JSON object."""
     ours = run.result.tokens_per_s
     best = best_static(systems)
@@ -131,8 +175,10 @@ def write_json(path: Path, meta: dict[str, Any], run: EngineRun, systems: list[S
             "loop_lag_p99_seconds": run.loop_lag_p99,
             "idle_loop_lag_p99_seconds": run.idle_loop_lag_p99,
         },
-        "systems": [{**dataclasses.asdict(s), "aioengine_ratio": ours / s.tokens_per_s if ours and s.tokens_per_s
-                     else None} for s in systems],  # fmt: skip
+        "systems": [
+            {**dataclasses.asdict(s), "aioengine_ratio": ours / s.tokens_per_s if ours and s.tokens_per_s else None}
+            for s in systems
+        ],
         "hf_best_static": dataclasses.asdict(best) if best else None,
         "floors": dataclasses.asdict(floors) if floors else None,
         "engine_efficiency": floors.replay_seconds / run.wall if floors else None,
@@ -141,8 +187,7 @@ def write_json(path: Path, meta: dict[str, Any], run: EngineRun, systems: list[S
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def write_plot(path: Path, title: str, run: EngineRun, systems: list[SystemResult],
-               online: list[OnlineResult]) -> bool:  # fmt: skip
+def write_plot(path: Path, title: str, run: EngineRun, systems: list[SystemResult], online: list[OnlineResult]) -> bool:
     """Bars of tokens/s per system beside latency vs arrival rate. False when matplotlib is missing."""
     try:
         import matplotlib
@@ -163,8 +208,9 @@ def write_plot(path: Path, title: str, run: EngineRun, systems: list[SystemResul
         rates = [o.rate for o in online]
         for key, style in (("ttft_p50", "o-"), ("ttft_p99", "o--"), ("itl_p50", "s-"), ("itl_p99", "s--")):
             values = [getattr(o, key) for o in online]
-            right.plot(rates, [v * 1e3 if v is not None else float("nan") for v in values], style,
-                       label=key.replace("_", " "))  # fmt: skip
+            right.plot(
+                rates, [v * 1e3 if v is not None else float("nan") for v in values], style, label=key.replace("_", " ")
+            )
         right.set_yscale("log")
         right.set_xlabel("arrival rate, requests/s (Poisson)")
         right.set_ylabel("ms")

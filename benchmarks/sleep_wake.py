@@ -67,7 +67,10 @@ def main() -> None:
     print("| level | bytes freed | sleep s | wake s (+ reload for level 2) | memcpy floor s (out + back) |")
     print("|---|---:|---:|---:|---:|")
     for name, sleep_s, wake_s, nbytes in rows:
-        print(f"| {name} | {nbytes / 2**20:.1f} MiB | {sleep_s:.3f} | {wake_s:.3f} | {memcpy_seconds(nbytes, args.device):.3f} |")
+        print(
+            f"| {name} | {nbytes / 2**20:.1f} MiB | {sleep_s:.3f} | {wake_s:.3f} "
+            f"| {memcpy_seconds(nbytes, args.device):.3f} |"
+        )
 
 
 if __name__ == "__main__":

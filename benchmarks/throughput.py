@@ -40,15 +40,21 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-async def run_engine(path: Path, reqs: list[BenchRequest], args: argparse.Namespace,
-                     ) -> tuple[EngineRun, Floors | None, list[OnlineResult]]:  # fmt: skip
+async def run_engine(
+    path: Path,
+    reqs: list[BenchRequest],
+    args: argparse.Namespace,
+) -> tuple[EngineRun, Floors | None, list[OnlineResult]]:
     """One engine for the offline run, its floors, then the online rates (which need the offline rate)."""
     config = engine_config(path, reqs, args.max_num_seqs, args.max_batched_tokens)
     async with AsyncEngine(config) as engine:
         runs = []
         for _ in range(args.repeats):
             runs.append(await run_offline(engine, reqs))
-            log(f"aioengine: {runs[-1].result.tokens_per_s:.1f} tok/s, {runs[-1].num_steps} steps in {runs[-1].wall:.2f}s")
+            log(
+                f"aioengine: {runs[-1].result.tokens_per_s:.1f} tok/s, "
+                f"{runs[-1].num_steps} steps in {runs[-1].wall:.2f}s"
+            )
         run = median(runs, lambda r: r.wall)
         run = dataclasses.replace(run, result=with_spread(run.result, [r.result for r in runs]))
         floors = await measure_floors(engine, run.steps)
@@ -69,8 +75,9 @@ def run_hf(path: Path, reqs: list[BenchRequest], args: argparse.Namespace) -> li
         functools.partial(hf_baselines.run_hf_static, path, reqs, batch_size) for batch_size in args.hf_batch_sizes
     ]
     if args.hf_cb:
-        runs.append(functools.partial(hf_baselines.run_hf_continuous, path, reqs, args.max_batched_tokens,
-                                      args.max_num_seqs))  # fmt: skip
+        runs.append(
+            functools.partial(hf_baselines.run_hf_continuous, path, reqs, args.max_batched_tokens, args.max_num_seqs)
+        )
     systems = []
     for run in runs:
         results = []
@@ -109,8 +116,11 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks throughput", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--requests", type=int, default=64, help="offline requests (a prefix of the fixed 64)")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="where the JSON and PNG go")
@@ -119,11 +129,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batched-tokens", type=int, default=512)
     parser.add_argument("--hf-batch-sizes", type=_ints, default=[8, 32, 64], help="comma separated; empty: none")
     parser.add_argument("--no-hf-cb", dest="hf_cb", action="store_false", help="skip HF continuous batching")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="offline runs of every system; each reports its median run")  # fmt: skip
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="offline runs of every system; each reports its median run"
+    )
     parser.add_argument("--online-requests", type=int, default=32, help="requests per online rate; 0: no online")
-    parser.add_argument("--rates", type=_floats, default=[0.25, 0.5, 0.9],
-                        help="online arrival rates as shares of the offline request rate")  # fmt: skip
+    parser.add_argument(
+        "--rates",
+        type=_floats,
+        default=[0.25, 0.5, 0.9],
+        help="online arrival rates as shares of the offline request rate",
+    )
     return parser.parse_args(argv)
 
 
@@ -136,9 +151,11 @@ def main(argv: list[str] | None = None) -> None:
     run, floors, online = asyncio.run(run_engine(path, reqs, args))
     systems = run_hf(path, reqs, args)
 
-    title = (f"{len(reqs)} requests ({output_tokens(reqs)} output tokens), model {args.model}, float32 CPU, "
-             f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-             f"transformers {transformers.__version__}")  # fmt: skip
+    title = (
+        f"{len(reqs)} requests ({output_tokens(reqs)} output tokens), model {args.model}, float32 CPU, "
+        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}"
+    )
     print(report.markdown(title, run, systems, floors, online))
     meta: dict[str, Any] = {
         "model": args.model,

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from aioengine.engine.control import WeightUpdateReport
 from aioengine import AsyncEngine, EngineConfig, SamplingParams
+from aioengine.engine.control import WeightUpdateReport
 from aioengine.model.loader import checkpoint_files
 from aioengine.testing import build_checkpoint
 
@@ -105,8 +105,9 @@ async def swap(engine: AsyncEngine, streams: Streams, source: Path, **kwargs: An
     return report, gap
 
 
-async def run(a: Path, b: Path, device: str,
-              num_streams: int) -> tuple[float, list[tuple[str, tuple[WeightUpdateReport, float]]]]:  # fmt: skip
+async def run(
+    a: Path, b: Path, device: str, num_streams: int
+) -> tuple[float, list[tuple[str, tuple[WeightUpdateReport, float]]]]:
     config = EngineConfig(model={"path": str(a)}, device={"device": device}, cache={"num_blocks": 256})
     async with AsyncEngine(config) as engine:
         streams = Streams()
@@ -138,16 +139,22 @@ def main() -> None:
         print(f"checkpoints ready in {time.perf_counter() - start:.1f}s")
         read_s, load_s, nbytes = disk_floors(b)
         steady, rows = asyncio.run(run(a, b, args.device, args.streams))
-    print(f"\ndevice {args.device}, {nbytes / 2**20:.0f} MiB of float32 weights, {args.streams} greedy streams "
-          f"running (steady gap between outputs: {steady * 1e3:.0f} ms)\n")  # fmt: skip
+    print(
+        f"\ndevice {args.device}, {nbytes / 2**20:.0f} MiB of float32 weights, {args.streams} greedy streams "
+        f"running (steady gap between outputs: {steady * 1e3:.0f} ms)\n"
+    )
     print("| what | tensors | seconds | GB/s | pause in report s | longest stream gap during it s |")
     print("|---|---:|---:|---:|---:|---:|")
     print(f"| read the same files' bytes (page cache warm) | - | {read_s:.3f} | {nbytes / read_s / 1e9:.2f} | - | - |")
-    print(f"| load_file + copy_ into tensors, no engine (page cache warm) | - | {load_s:.3f} "
-          f"| {nbytes / load_s / 1e9:.2f} | - | - |")  # fmt: skip
+    print(
+        f"| load_file + copy_ into tensors, no engine (page cache warm) | - | {load_s:.3f} "
+        f"| {nbytes / load_s / 1e9:.2f} | - | - |"
+    )
     for name, (r, gap) in rows:
-        print(f"| {name} | {r.tensors} | {r.seconds:.3f} | {r.bytes / r.seconds / 1e9:.2f} "
-              f"| {r.pause_seconds:.3f} | {gap:.3f} |")  # fmt: skip
+        print(
+            f"| {name} | {r.tensors} | {r.seconds:.3f} | {r.bytes / r.seconds / 1e9:.2f} "
+            f"| {r.pause_seconds:.3f} | {gap:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -18,12 +18,28 @@ from aioengine.testing import build_checkpoint
 
 MODELS: dict[str, dict[str, Any]] = {
     # Llama, the demo model's shape.
-    "tiny": dict(arch="llama", hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4, num_kv_heads=2,
-                 vocab_size=32000),
+    "tiny": dict(
+        arch="llama",
+        hidden_size=256,
+        intermediate_size=688,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=32000,
+    ),
     # Qwen2.5-0.5B's shape (tied embeddings), 8 of its 24 layers so a CPU run stays in minutes.
-    "small": dict(arch="qwen2", hidden_size=896, intermediate_size=4864, num_layers=8, num_heads=14, num_kv_heads=2,
-                  head_dim=64, vocab_size=151936, tie_word_embeddings=True),
-}  # fmt: skip
+    "small": dict(
+        arch="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=8,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+}
 
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "aioengine-bench"
 

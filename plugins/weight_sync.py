@@ -67,7 +67,8 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _group_options(timeout: timedelta) -> Any:
-    options = dist.ProcessGroupGloo._Options()
+    # torch's stubs name only ProcessGroupGloo.Options, which at run time is Backend.Options; the gloo one is private
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]  # default: the host's address
     options._timeout = timeout
     return options
@@ -94,8 +95,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def trainer_group(master_port: int, world_size: int, *, backend: str = "gloo",
-                  timeout: timedelta = timedelta(seconds=60)) -> tuple[dist.Store, Any]:  # fmt: skip
+def trainer_group(
+    master_port: int, world_size: int, *, backend: str = "gloo", timeout: timedelta = timedelta(seconds=60)
+) -> tuple[dist.Store, Any]:
     """Rank 0 of a weight-update group: hosts the TCPStore on ``127.0.0.1:master_port``.
 
     Blocks until the ``world_size - 1`` engine workers have joined (their
@@ -110,8 +112,9 @@ def trainer_group(master_port: int, world_size: int, *, backend: str = "gloo",
         listener.close()
         raise
     # The store takes the listening socket over (and closes it with itself).
-    store = dist.TCPStore(LOOPBACK, master_port, world_size, is_master=True, timeout=timeout,
-                          master_listen_fd=listener.detach())  # fmt: skip
+    store = dist.TCPStore(
+        LOOPBACK, master_port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach()
+    )
     return store, _make_group(store, 0, world_size, backend, timeout)
 
 
@@ -160,12 +163,19 @@ class WeightSyncExtension:
                 raise CheckpointError(f"weight update {name!r} is a {type(tensor).__name__}, not a tensor")
         specs = [(name, tuple(t.shape), t.dtype) for name, t in pairs]
         try:
-            return self.write_weights(specs, lambda: iter(pairs), partial=partial)  # type: ignore[attr-defined,no-any-return]
+            return self.write_weights(specs, lambda: iter(pairs), partial=partial)  # type: ignore[attr-defined]
         except CheckpointError as exc:
             raise _refused(exc, partial) from exc
 
-    def init_weight_update_group(self, master_address: str, master_port: int, rank: int, world_size: int,
-                                 backend: str = "gloo", timeout_s: float = 60.0) -> None:  # fmt: skip
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+    ) -> None:
         """Joins the trainer's group (``trainer_group``); blocks until every rank is in.
 
         ``rank`` is the group rank of the engine's worker 0; worker ``r`` joins as ``rank + r``
@@ -173,8 +183,10 @@ class WeightSyncExtension:
         waits meanwhile, at most ``timeout_s``.
         """
         if master_address not in _LOOPBACK_NAMES:
-            raise AIOEngineError(f"weight sync binds to {LOOPBACK} only, so the trainer must run on this host; "
-                                 f"got master_address={master_address!r}")  # fmt: skip
+            raise AIOEngineError(
+                f"weight sync binds to {LOOPBACK} only, so the trainer must run on this host; "
+                f"got master_address={master_address!r}"
+            )
         if self._weight_sync_group is not None:
             raise AIOEngineError("a weight update group is already open; call close_weight_update_group first")
         if backend == "nccl" and self.device.type != "cuda":  # type: ignore[attr-defined]
@@ -184,7 +196,9 @@ class WeightSyncExtension:
         group = _make_group(store, rank + self.rank, world_size, backend, timeout)  # type: ignore[attr-defined]
         self._weight_sync_group = (store, group, backend)
 
-    def receive_weights(self, metadata: Sequence[WeightMeta], src: int = 0, partial: bool = True) -> WorkerWeightsReport:
+    def receive_weights(
+        self, metadata: Sequence[WeightMeta], src: int = 0, partial: bool = True
+    ) -> WorkerWeightsReport:
         """Receives the tensors ``metadata`` describes, in its order, writing each in place.
 
         Names and shapes are checked against the model before anything is written: a bad batch is
@@ -205,7 +219,7 @@ class WeightSyncExtension:
                 yield name, buf
 
         try:
-            return self.write_weights([(n, s, d) for n, d, s in specs], received, partial=partial)  # type: ignore[attr-defined,no-any-return]
+            return self.write_weights([(n, s, d) for n, d, s in specs], received, partial=partial)  # type: ignore[attr-defined]
         except CheckpointError as exc:
             # Checked before the first receive: still take the broadcast (and drop it), so the trainer
             # does not hang and the group stays usable.

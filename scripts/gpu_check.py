@@ -8,9 +8,11 @@ parity fails. Uses a locally built random-init Llama (float32, so parity is exac
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,16 +21,40 @@ from aioengine import AsyncEngine, EngineConfig, SamplingParams
 from aioengine.messages import KVCacheConfig
 from aioengine.testing import build_checkpoint
 from aioengine.worker.gpu_worker import CUDAWorker
+from aioengine.worker.graphs import PaddedDecodeRunner
 
 BATCHES = (1, 8, 32)
 SPEC = dict(hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16, num_kv_heads=4)
 
 
 def config(path: Path, eager: bool) -> EngineConfig:
-    return EngineConfig(model={"path": str(path), "dtype": "float32", "max_model_len": 1024},
-                        device={"device": "cuda"}, cache={"num_blocks": 2048},
-                        scheduler={"max_num_seqs": 32}, compile={"enforce_eager": eager,
-                                                                  "cuda_graph_sizes": list(BATCHES)})  # fmt: skip
+    return EngineConfig(
+        model={"path": str(path), "dtype": "float32", "max_model_len": 1024},
+        device={"device": "cuda"},
+        cache={"num_blocks": 2048},
+        scheduler={"max_num_seqs": 32},
+        compile={"enforce_eager": eager, "cuda_graph_sizes": list(BATCHES)},
+    )
+
+
+def _timed(fn: Callable[[], object], n: int = 50) -> float:
+    """Milliseconds per call of ``fn``, after 5 untimed warm-up calls."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n * 1e3
+
+
+def _eager_decode(
+    decode: PaddedDecodeRunner, ids: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, b: int
+) -> None:
+    with torch.inference_mode():
+        decode._fill(ids, pos, tables, b)
+        decode._forward(b, decode.max_blocks)
 
 
 def step_times(path: Path) -> tuple[float, dict[int, tuple[float, float]]]:
@@ -47,25 +73,8 @@ def step_times(path: Path) -> tuple[float, dict[int, tuple[float, float]]]:
         tables = torch.arange(1, 1 + b * blocks, device="cuda").view(b, blocks)
         ids = torch.randint(3, 500, (b,), device="cuda")
         pos = torch.full((b,), ctx, device="cuda")
-
-        def timed(fn, n: int = 50) -> float:
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            torch.cuda.synchronize()
-            return (time.perf_counter() - start) / n * 1e3
-
-        graph_ms = timed(lambda: decode.run(ids, pos, tables))
-
-        def eager() -> None:
-            with torch.inference_mode():
-                decode._fill(ids, pos, tables, b)
-                decode._forward(b, decode.max_blocks)
-
-        out[b] = (timed(eager), graph_ms)
+        graph_ms = _timed(functools.partial(decode.run, ids, pos, tables))
+        out[b] = (_timed(functools.partial(_eager_decode, decode, ids, pos, tables, b)), graph_ms)
     worker.shutdown()
     return capture, out
 
@@ -102,12 +111,22 @@ async def sleep_check(path: Path, prompts: list[list[int]]) -> list[tuple[str, s
             wake_seconds = woke.seconds
             if level == 2:
                 wake_seconds += (await engine.reload_weights()).seconds
-            graphs = await engine.collective_rpc(lambda w: len(w.model_runner.decode_runner.graphs), unique_reply_rank=0)
+            graphs = await engine.collective_rpc(
+                lambda w: len(w.model_runner.decode_runner.graphs), unique_reply_rank=0
+            )
             same = await greedy_outputs(engine, prompts, 16) == before
-            rows.append((f"sleep level {level}: device memory freed", f"{(free1 - free0) / 2**20:.0f} MiB "
-                         f"(reported {slept.freed_bytes.total / 2**20:.0f} MiB)"))
-            rows.append((f"sleep level {level}: sleep / wake s", f"{slept.seconds:.3f} / {wake_seconds:.3f} "
-                         f"(graph recapture {woke.graph_capture_seconds:.2f} s)"))
+            rows.append(
+                (
+                    f"sleep level {level}: device memory freed",
+                    f"{(free1 - free0) / 2**20:.0f} MiB (reported {slept.freed_bytes.total / 2**20:.0f} MiB)",
+                )
+            )
+            rows.append(
+                (
+                    f"sleep level {level}: sleep / wake s",
+                    f"{slept.seconds:.3f} / {wake_seconds:.3f} (graph recapture {woke.graph_capture_seconds:.2f} s)",
+                )
+            )
             rows.append((f"sleep level {level}: outputs after wake identical, graphs live", f"{same}, {graphs} graphs"))
     return rows
 
@@ -120,16 +139,21 @@ def main() -> int:
         path = build_checkpoint(Path(tmp) / "llama", "llama", vocab_size=32000, **SPEC)  # type: ignore[arg-type]
         capture, times = step_times(path)
         g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in torch.randint(1, 200, (24,), generator=g)]
+        prompts = [
+            torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in torch.randint(1, 200, (24,), generator=g)
+        ]
         eager_tokens = asyncio.run(greedy(path, True, prompts))
         graph_tokens = asyncio.run(greedy(path, False, prompts))
         sleep_rows = asyncio.run(sleep_check(path, prompts[:8]))
-    same = sum(a == b for a, b in zip(eager_tokens, graph_tokens))
+    same = sum(a == b for a, b in zip(eager_tokens, graph_tokens, strict=True))
     print(f"\n{torch.cuda.get_device_name()} · torch {torch.__version__} · Llama h1024 x 8 layers, float32\n")
     print("| measure | value |\n|---|---|")
     print(f"| graph capture ({len(BATCHES)} sizes) | {capture:.2f} s |")
     for b, (eager_ms, graph_ms) in times.items():
-        print(f"| decode step, batch {b} (eager / graph) | {eager_ms:.2f} ms / {graph_ms:.2f} ms ({eager_ms / graph_ms:.1f}x) |")
+        print(
+            f"| decode step, batch {b} (eager / graph) "
+            f"| {eager_ms:.2f} ms / {graph_ms:.2f} ms ({eager_ms / graph_ms:.1f}x) |"
+        )
     print(f"| greedy parity graph vs eager (24 prompts x 32 tokens) | {same}/{len(prompts)} identical |")
     for name, value in sleep_rows:
         print(f"| {name} | {value} |")

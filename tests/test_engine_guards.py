@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,3 +76,74 @@ async def test_a_prompt_longer_than_one_step_without_chunked_prefill_is_refused_
         with pytest.raises(RequestTooLargeError, match="max_num_batched_tokens=64"):
             await final(engine, list(range(3, 103)), GREEDY)
         assert len((await final(engine, list(range(3, 50)), GREEDY)).token_ids) == 8
+
+
+async def test_a_huge_text_prompt_is_refused_before_it_is_tokenized(llama_engine: AsyncEngine) -> None:
+    huge = "hello world " * 200_000  # 2.4 MB: far more tokens than max_model_len, whatever the tokenizer does
+    with pytest.raises(RequestTooLargeError, match="at least"):  # the bound, not the tokenized count
+        await final(llama_engine, huge, GREEDY)
+    assert len((await final(llama_engine, "hello world", GREEDY)).token_ids) == 8
+
+
+async def test_a_long_text_prompt_is_tokenized_off_the_event_loop(
+    llama_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aioengine.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "LONG_PROMPT_CHARS", 100)
+    real = llama_engine.tokenizer
+    threads: list[str] = []
+
+    def recording(text: str) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(text)
+
+    monkeypatch.setattr(llama_engine, "tokenizer", recording)
+    short, long = "hello", "the engine reads a prompt " * 20
+    await final(llama_engine, short, GREEDY)
+    out = await final(llama_engine, long, GREEDY)
+    assert threads[0] == threading.current_thread().name  # a short prompt: on the loop, no hand-off
+    assert threads[1] != threading.current_thread().name
+    assert out.prompt_token_ids == real(long).input_ids and len(out.token_ids) == 8
+
+
+def test_the_sync_engine_refuses_a_batch_with_one_bad_prompt_and_leaves_nothing_running(llama_ckpt: Path) -> None:
+    from aioengine import Engine
+    from aioengine.errors import InvalidRequestError
+
+    with Engine(engine_config(llama_ckpt)) as engine:
+        prompts: list[Any] = [[5, 6, 7 + i] for i in range(8)] + [[]]
+        with pytest.raises(InvalidRequestError, match="empty"):
+            engine.generate(prompts, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), use_tqdm=False)
+        stats = engine.stats()
+        assert (stats.requests_running, stats.requests_waiting) == (0, 0)
+        assert stats.kv_blocks_free == stats.kv_blocks_total
+        assert stats.num_generated_tokens < 8 * 200
+
+
+async def test_shutdown_while_start_runs_ends_both_cleanly(llama_ckpt: Path) -> None:
+    engine = AsyncEngine(engine_config(llama_ckpt))
+    starting = asyncio.ensure_future(engine.start())
+    await asyncio.sleep(0)  # the start has begun
+    await engine.shutdown()
+    await starting  # no CancelledError, no AssertionError
+    with pytest.raises(EngineDeadError):
+        await final(engine, [5, 6, 7], GREEDY)
+    assert not [t for t in threading.enumerate() if t.name.startswith("aioengine-worker")], "shutdown reaps the thread"
+
+
+def hold_worker(worker: Any, seconds: float) -> None:
+    """Runs on the worker thread: keeps it busy."""
+    time.sleep(seconds)
+
+
+async def test_an_rpc_past_its_timeout_makes_the_engine_say_it_is_held_until_the_call_returns(
+    llama_engine: AsyncEngine,
+) -> None:
+    with pytest.raises(TimeoutError, match="still runs on the worker thread"):
+        await llama_engine.collective_rpc(hold_worker, (1.0,), timeout=0.05)
+    with pytest.raises(EngineStateError, match="hold_worker"):
+        await llama_engine.check_health()
+    out = await final(llama_engine, [5, 6, 7], GREEDY)  # waits behind the call, then runs
+    assert len(out.token_ids) == 8
+    await llama_engine.check_health()  # the call returned: healthy again

@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 
+LONG_PROMPT_CHARS = 16_384
+"""Text prompts longer than this are tokenized on a thread, so the event loop keeps serving meanwhile."""
+
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
@@ -79,6 +82,8 @@ class AsyncEngine:
         self.core: EngineCore | None = None
         self._control: EngineControl | None = None
         self.tokenizer: Any = None
+        self._max_token_bytes = 1
+        """UTF-8 bytes of the tokenizer's longest token: a text of N bytes is at least N / this tokens."""
         self.model_info: ModelInfo | None = None
         self._started = False
         self._closed = False
@@ -135,7 +140,7 @@ class AsyncEngine:
             )
         await rpc("initialize_from_config", (KVCacheConfig(num_cache_blocks, cfg.cache.block_size),))
         await rpc("compile_or_warm_up_model")
-        self.tokenizer = await tokenizer_task
+        self.tokenizer, self._max_token_bytes = await tokenizer_task
         self.model_info = info
         sched = cfg.scheduler
         scheduler = Scheduler(
@@ -152,14 +157,16 @@ class AsyncEngine:
         self.core.start()
 
     async def shutdown(self) -> None:
-        """Ends every stream, stops the loop task and the worker. Safe to call more than once."""
+        """Ends every stream, stops the loop task and the worker. Safe to call more than once, and while
+        ``start()`` runs (it waits for the start to end, then stops what it built)."""
         if self._closed:
             return
         self._closed = True
-        if self.core is not None:
-            await self.core.stop()
-        if self.executor is not None:
-            await asyncio.to_thread(self.executor.shutdown)
+        async with self._start_lock:
+            if self.core is not None:
+                await self.core.stop()
+            if self.executor is not None:
+                await asyncio.to_thread(self.executor.shutdown)
 
     # ---- requests ----------------------------------------------------------------------------------
     def _require_core(self) -> EngineCore:
@@ -185,16 +192,29 @@ class AsyncEngine:
         assert self._control is not None
         return self._control
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    async def _prompt_ids(self, prompt: Prompt, request_id: str) -> list[int]:
+        """Token ids of a prompt. A text that must be longer than ``max_model_len`` whatever it says is
+        refused before it is tokenized; a long one is tokenized off the event loop."""
         if not isinstance(prompt, str):
             return list(prompt)
-        ids: list[int] = self.tokenizer(prompt).input_ids if prompt else []
+        if not prompt:
+            return []
+        assert self.model_info is not None
+        at_least = len(prompt.encode()) // self._max_token_bytes  # no token covers more bytes than this
+        if at_least > self.model_info.max_model_len:
+            raise RequestTooLargeError(
+                f"request {request_id!r}: the prompt ({len(prompt)} characters) is at least {at_least} tokens, "
+                f"more than max_model_len={self.model_info.max_model_len}; shorten it"
+            )
+        if len(prompt) <= LONG_PROMPT_CHARS:
+            ids: list[int] = self.tokenizer(prompt).input_ids
+        else:
+            ids = (await asyncio.to_thread(self.tokenizer, prompt)).input_ids
         return ids
 
-    def _make_request(self, core: EngineCore, prompt: Prompt, params: SamplingParams, request_id: str) -> Request:
+    def _make_request(self, core: EngineCore, token_ids: list[int], params: SamplingParams, request_id: str) -> Request:
         info = self.model_info
         assert info is not None
-        token_ids = self._prompt_ids(prompt)
         if not token_ids:
             raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
         vocab = info.vocab_size
@@ -238,9 +258,11 @@ class AsyncEngine:
         elif isinstance(params, dict):
             params = SamplingParams(**params)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
+        token_ids = await self._prompt_ids(prompt, request_id)
+        core = self._require_core()  # again: the engine may have stopped while a long prompt was tokenized
         if request_id in core.collectors:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
-        collector = core.add_request(self._make_request(core, prompt, params, request_id))
+        collector = core.add_request(self._make_request(core, token_ids, params, request_id))
         finished = False
         try:
             while not finished:
@@ -279,8 +301,13 @@ class AsyncEngine:
         return results
 
     async def check_health(self, timeout: float = 30.0) -> None:
-        """Raises EngineDeadError if the engine died, or the worker's error if a worker is unhealthy."""
+        """Raises EngineDeadError if the engine died, EngineStateError while a timed-out RPC still holds a
+        worker (model steps wait behind it), or the worker's error if a worker is unhealthy."""
         self._require_core()
+        assert self.executor is not None
+        overdue = self.executor.overdue_calls()
+        if overdue:
+            raise EngineStateError(f"a worker is held by {', '.join(overdue)}; model steps wait until it returns")
         await self.collective_rpc("check_health", timeout=timeout)
 
     async def start_profile(self) -> None:
@@ -389,7 +416,10 @@ def _make_executor(config: EngineConfig) -> Executor:
     return ThreadExecutor(config)
 
 
-def _load_tokenizer(path: str) -> Any:
+def _load_tokenizer(path: str) -> tuple[Any, int]:
+    """The checkpoint's tokenizer and the UTF-8 length of its longest token."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    longest = max((len(token.encode()) for token in tokenizer.get_vocab()), default=1)
+    return tokenizer, max(longest, 1)

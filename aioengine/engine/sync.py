@@ -80,10 +80,16 @@ class Engine:
             assert last is not None
             return last
 
+        # A TaskGroup: when one prompt is refused (or fails), the others are cancelled, which aborts their
+        # requests, instead of running on with nobody to collect them.
         try:
-            return list(await asyncio.gather(*(one(pr, pa) for pr, pa in zip(prompts, params, strict=True))))
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one(pr, pa)) for pr, pa in zip(prompts, params, strict=True)]
+        except BaseExceptionGroup as group_error:
+            raise group_error.exceptions[0] from None
         finally:
             bar.close()
+        return [task.result() for task in tasks]
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 
+if TYPE_CHECKING:
+    from aioengine.worker.base import WorkerBase
 
-def execute_and_sample(worker: Any, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+
+def execute_and_sample(worker: WorkerBase, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
     """``execute_model`` then, when it leaves rows to sample, ``sample_tokens`` (module level: picklable)."""
     output = worker.execute_model(scheduler_output)
     return output if output is not None else worker.sample_tokens()
@@ -57,6 +60,10 @@ class Executor(ABC):
 
         Only for methods that read the model and never write it; returns one result per rank.
         """
+
+    def overdue_calls(self) -> list[str]:
+        """Calls whose caller timed out while they still hold a worker (steps wait behind them)."""
+        return []
 
     @abstractmethod
     def shutdown(self) -> None:

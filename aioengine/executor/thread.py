@@ -2,7 +2,9 @@
 
 Every call into a worker (execute_model and every RPC) is queued on that thread, so calls are
 ordered and never run concurrently with a forward. The thread hands back concurrent futures,
-which ``asyncio.wrap_future`` turns into awaitables; the event loop never blocks on the model.
+which ``_bridge`` turns into awaitables; the event loop never blocks on the model. One thread is
+one lane: an RPC that outlives its timeout still holds it, and steps wait behind it
+(``overdue_calls`` says so, and ``check_health`` fails meanwhile).
 
 Worker and loop share one interpreter, so they share the GIL; the one habit that follows from
 that lives here too (see ``_step_done``).
@@ -12,14 +14,45 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import logging
 import os
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aioengine.errors import ConfigurationError, EngineDeadError
 from aioengine.executor.base import Executor, execute_and_sample
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.worker.wrapper import WorkerWrapper
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _bridge(future: concurrent.futures.Future[T]) -> asyncio.Future[T]:
+    """An awaitable of a worker call. Unlike ``asyncio.wrap_future``, cancelling it does not withdraw the
+    call: what was handed to a worker runs, in order (a step queued behind it may depend on it)."""
+    loop = asyncio.get_running_loop()
+    result: asyncio.Future[T] = loop.create_future()
+
+    def settle(done: concurrent.futures.Future[T]) -> None:
+        if result.cancelled():
+            return
+        if done.cancelled():
+            result.cancel()
+        elif (exc := done.exception()) is not None:
+            result.set_exception(exc)
+        else:
+            result.set_result(done.result())
+
+    def on_done(done: concurrent.futures.Future[T]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(settle, done)
+
+    future.add_done_callback(on_done)
+    return result
+
 
 _yield_gil: Callable[[], None] = getattr(os, "sched_yield", lambda: None)  # releases GIL and CPU (not on Windows)
 
@@ -46,6 +79,8 @@ class ThreadExecutor(Executor):
         self.wrappers = [WorkerWrapper(rank) for rank in range(self.world_size)]
         self._closed = False
         self._steps_queued = 0
+        self._overdue: dict[asyncio.Future[Any], tuple[str, float]] = {}
+        """Calls whose caller timed out while they still run, with their name and when."""
         """Steps submitted whose outputs have not come back to the loop yet."""
         # Build the workers on their own threads: device set-up is per thread on some back ends.
         for rank, wrapper in enumerate(self.wrappers):
@@ -57,12 +92,12 @@ class ThreadExecutor(Executor):
 
     def _call(
         self, rank: int, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> concurrent.futures.Future[Any]:
+    ) -> asyncio.Future[Any]:
         self._check_open()
         wrapper = self.wrappers[rank]
         if isinstance(method, str):
-            return self._threads[rank].submit(lambda: getattr(wrapper, method)(*args, **kwargs))
-        return self._threads[rank].submit(lambda: method(wrapper.worker, *args, **kwargs))
+            return _bridge(self._threads[rank].submit(lambda: getattr(wrapper, method)(*args, **kwargs)))
+        return _bridge(self._threads[rank].submit(lambda: method(wrapper.worker, *args, **kwargs)))
 
     async def collective_rpc(
         self,
@@ -72,20 +107,31 @@ class ThreadExecutor(Executor):
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> Any:
-        futures = [asyncio.wrap_future(self._call(rank, method, args, kwargs or {})) for rank in range(self.world_size)]
+        futures = [self._call(rank, method, args, kwargs or {}) for rank in range(self.world_size)]
         name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
         try:
             results = await asyncio.wait_for(asyncio.gather(*futures), timeout)
         except TimeoutError:
-            raise TimeoutError(f"collective_rpc {name!r} timed out after {timeout}s") from None
+            # The call keeps its worker thread until it returns (a thread cannot be interrupted), and the
+            # steps queued behind it wait: say so until it is over.
+            since = time.monotonic()
+            for future in futures:
+                self._overdue[future] = (name, since)
+                future.add_done_callback(self._overdue.pop)
+            raise TimeoutError(
+                f"collective_rpc {name!r} timed out after {timeout}s; it still runs on the worker thread and "
+                "model steps wait behind it until it returns"
+            ) from None
         return results[unique_reply_rank] if unique_reply_rank is not None else results
+
+    def overdue_calls(self) -> list[str]:
+        now = time.monotonic()
+        return [f"{name!r} (timed out, running {now - since:.1f}s)" for name, since in self._overdue.values()]
 
     def submit_step(self, scheduler_output: SchedulerOutput) -> asyncio.Future[ModelRunnerOutput]:
         # One rank: its output is the step's. Queued on the worker's thread right here, so the step is
         # ordered with every call submitted before and after it, and starts while the loop goes on.
-        output: asyncio.Future[ModelRunnerOutput] = asyncio.wrap_future(
-            self._call(0, execute_and_sample, (scheduler_output,), {})
-        )
+        output: asyncio.Future[ModelRunnerOutput] = self._call(0, execute_and_sample, (scheduler_output,), {})
         self._steps_queued += 1
         output.add_done_callback(self._step_done)  # before anyone awaits it: runs first
         return output
@@ -100,18 +146,27 @@ class ThreadExecutor(Executor):
 
     async def run_aside(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         self._check_open()
-        calls = [self._aside.submit(lambda w=w: getattr(w, method)(*args)) for w in self.wrappers]
-        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in calls)))
+
+        def call(wrapper: WorkerWrapper) -> Any:
+            return getattr(wrapper, method)(*args)
+
+        calls = [_bridge(self._aside.submit(call, w)) for w in self.wrappers]
+        return list(await asyncio.gather(*calls))
 
     def shutdown(self) -> None:
         if self._closed:
             return
+        reaped = True
         for rank, wrapper in enumerate(self.wrappers):
             if wrapper.worker is not None:
                 try:
                     self._threads[rank].submit(wrapper.worker.shutdown).result(timeout=60)
-                except Exception:  # noqa: BLE001 - shutdown must complete even if a worker is broken
-                    pass
+                except concurrent.futures.TimeoutError:
+                    reaped = False  # a call that never returns holds the thread: do not wait for it
+                except Exception:  # shutdown must complete even if a worker is broken
+                    logger.exception("worker rank %d failed to shut down cleanly", rank)
         self._closed = True
         for thread in [*self._threads, self._aside]:
-            thread.shutdown(wait=False, cancel_futures=True)
+            # Once the workers' own shutdown ran, their threads have nothing left: wait for them, so no
+            # thread outlives the engine.
+            thread.shutdown(wait=reaped, cancel_futures=True)

@@ -96,15 +96,17 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
     return out
 
 
-def _decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor,
-                 scale: float) -> torch.Tensor:  # fmt: skip
+def _decode_rows(
+    q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     keys, values = _gather(kv_cache, tables)  # [B, Hkv, L, D]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
 
-def split_decode_rows(block_counts: list[int], min_rows: int = 8,
-                      min_saving: float = 0.25) -> list[tuple[list[int], int]] | None:  # fmt: skip
+def split_decode_rows(
+    block_counts: list[int], min_rows: int = 8, min_saving: float = 0.25
+) -> list[tuple[list[int], int]] | None:
     """Splits decode rows in two by context length when that saves ``min_saving`` of the attention work.
 
     Returns [(rows, width in blocks), ...] or None (one group). Host-side, for eager steps only.

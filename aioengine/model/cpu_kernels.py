@@ -30,8 +30,15 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name("csrc") / "cpu_kernels.cpp"]
 # Vectorised reductions without -ffast-math (which may link crtfastmath and set flush-to-zero for the
 # whole process).
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-           "-fassociative-math", "-fopenmp"]  # fmt: skip
+_CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-fopenmp",
+]
 _lock = threading.Lock()
 
 
@@ -66,8 +73,9 @@ def load() -> ModuleType | None:
                 return _build()
             except Exception as exc:  # a failed build must not stop the engine: the torch path is correct
                 reason = f"the build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
-        logger.warning("aioengine CPU kernels unavailable (%s); decode attention and argmax run the slower torch "
-                       "paths", reason)
+        logger.warning(
+            "aioengine CPU kernels unavailable (%s); decode attention and argmax run the slower torch paths", reason
+        )
         return None
 
 
@@ -76,8 +84,9 @@ def _build() -> ModuleType:
 
     logger.info("loading aioengine's CPU kernels (the first run on a machine builds them: about 30 s)")
     start = time.perf_counter()
-    module = load_extension(f"aioengine_cpu_kernels_{_cpu_fingerprint()}", [str(p) for p in _SOURCES],
-                            extra_cflags=_CFLAGS, verbose=False)  # fmt: skip
+    module = load_extension(
+        f"aioengine_cpu_kernels_{_cpu_fingerprint()}", [str(p) for p in _SOURCES], extra_cflags=_CFLAGS, verbose=False
+    )
     seconds = time.perf_counter() - start
     if seconds > 2:
         logger.info("built aioengine's CPU kernels in %.1fs (cached for next time)", seconds)

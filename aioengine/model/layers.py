@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from types import ModuleType
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -96,7 +97,7 @@ def drop_packed_weights(model: nn.Module) -> None:
             module.drop_packed()
 
 
-def use_cpu_kernels(model: nn.Module, kernels: Any | None) -> None:
+def use_cpu_kernels(model: nn.Module, kernels: ModuleType | None) -> None:
     """Hands the C++ CPU kernels (``cpu_kernels.load()``; None: torch ops) to every layer that has a
     fused form: RMSNorm, rotary embedding, the gated MLP's activation. Each still takes the torch
     path for inputs the kernels do not cover (not float32, not CPU, partial rotary)."""
@@ -105,14 +106,14 @@ def use_cpu_kernels(model: nn.Module, kernels: Any | None) -> None:
             module.kernels = kernels
 
 
-def _fits_kernels(kernels: Any | None, x: torch.Tensor) -> bool:
+def _fits_kernels(kernels: ModuleType | None, x: torch.Tensor) -> TypeGuard[ModuleType]:
     return kernels is not None and x.dtype == torch.float32 and x.device.type == "cpu"
 
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, as HF transformers does (parity needs the same rounding)."""
 
-    kernels: Any | None = None
+    kernels: ModuleType | None = None
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -163,7 +164,7 @@ def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary embedding with a cos/sin table for every position up to ``max_positions``."""
 
-    kernels: Any | None = None
+    kernels: ModuleType | None = None
 
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -185,8 +186,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D]; returns both rotated (the kernel rotates them in place)."""
-        if _fits_kernels(self.kernels, q) and k.dtype == torch.float32 and self.rotary_dim == q.shape[-1] \
-                and self.cos_cached.dtype == torch.float32:  # fmt: skip
+        if (
+            _fits_kernels(self.kernels, q)
+            and k.dtype == torch.float32
+            and self.rotary_dim == q.shape[-1]
+            and self.cos_cached.dtype == torch.float32
+        ):
             self.kernels.rotary_inplace(q, k, positions, self.cos_cached, self.sin_cached)
             return q, k
         cos = self.cos_cached[positions].unsqueeze(1).to(q.dtype)
@@ -206,7 +211,7 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: in
 class GatedMLP(nn.Module):
     """SwiGLU MLP with gate and up projections fused into one GEMM."""
 
-    kernels: Any | None = None
+    kernels: ModuleType | None = None
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str) -> None:
         super().__init__()

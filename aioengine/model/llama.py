@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -124,14 +124,19 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Runs every token of the step; returns logits only for ``logits_indices`` ([S, V], float32)."""
         x = self.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, positions, kv_cache, meta)
         x = self.model.norm(x[logits_indices])  # norm is per token: skip rows that do not sample
         return self.lm_head(x).float()
 
     # ---- weight names -------------------------------------------------------------------------------
-    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+    _FUSED: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
     def resolve_weight(self, hf_name: str) -> WeightTarget | None:
         """Maps a checkpoint tensor name to its place in this model; None for names to skip.
@@ -145,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         parts = hf_name.rsplit(".", 2)
         if len(parts) == 3 and parts[1] in self._FUSED:
             fused, shard = self._FUSED[parts[1]]
-            attn = self.model.layers[0].self_attn
+            attn = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn
             sizes = (
                 (attn.q_size, attn.kv_size, attn.kv_size)
                 if fused == "qkv_proj"

@@ -48,7 +48,7 @@ def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dty
     ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(ckpt, str):
         ckpt = _DTYPES.get(ckpt)
-    return ckpt if ckpt in _DTYPES.values() else torch.float32
+    return ckpt if isinstance(ckpt, torch.dtype) and ckpt in _DTYPES.values() else torch.float32
 
 
 def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
@@ -98,13 +98,22 @@ def iter_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]
         except Exception as exc:  # SafetensorError derives from Exception only
             raise _open_error(file, exc) from exc
         with handle as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
                 yield name, f.get_tensor(name)
 
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}  # fmt: skip
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def safetensors_specs(files: Iterable[Path]) -> list[TensorSpec]:
@@ -116,7 +125,7 @@ def safetensors_specs(files: Iterable[Path]) -> list[TensorSpec]:
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
                     view = f.get_slice(name)
                     dtype = _ST_DTYPES.get(view.get_dtype())
                     if dtype is None:
@@ -184,9 +193,10 @@ class WeightPlan:
             return
         # A set of pieces, not a running count: a tensor repeated in two shards cannot hide a missing one.
         missing = [
-            n for n, pieces in self.filled.items()
+            n
+            for n, pieces in self.filled.items()
             if sum(rows for _, rows in pieces) < max(self.params[n].shape[0:1] or (1,))
-        ]  # fmt: skip
+        ]
         if missing:
             raise CheckpointError(f"checkpoint is missing tensors for: {', '.join(_hf_names(n) for n in missing[:8])}")
 
@@ -196,8 +206,9 @@ def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
     return src.is_floating_point == dst.is_floating_point and not src.is_complex
 
 
-def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True,
-                 partial: bool = False) -> int:
+def load_weights(
+    model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True, partial: bool = False
+) -> int:
     """Copies checkpoint tensors into ``model`` in place, checking each before it is written.
 
     Returns the number of tensors written. Every parameter must be covered unless ``partial``
@@ -224,8 +235,15 @@ def _hf_names(param: str) -> str:
     return param
 
 
-def load_model(path: str | Path, hf_config: Any, dtype: torch.dtype, device: torch.device, max_positions: int,
-               *, strict: bool = True) -> LlamaForCausalLM:
+def load_model(
+    path: str | Path,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    *,
+    strict: bool = True,
+) -> LlamaForCausalLM:
     """Builds the model without initialising it (meta device), then fills it from the checkpoint."""
     with torch.device("meta"):
         model = build_model(hf_config, max_positions)

@@ -30,9 +30,7 @@ class SamplingParams(BaseModel):
         1.0,
         description="Divides the logits before sampling; 0 (or below 1e-5) means greedy argmax.",
     )
-    top_k: int = Field(
-        0, description="Keep only the k most likely tokens; 0 or -1 turns it off (-1 becomes 0)."
-    )
+    top_k: int = Field(0, description="Keep only the k most likely tokens; 0 or -1 turns it off (-1 becomes 0).")
     top_p: float = Field(
         1.0,
         description="Nucleus sampling: keep the fewest most likely tokens whose probability sums "
@@ -48,16 +46,12 @@ class SamplingParams(BaseModel):
         description="Strings that end generation when they appear in the output; a single string "
         "is accepted. The stop string is cut from the output unless include_stop_str_in_output.",
     )
-    stop_token_ids: list[int] = Field(
-        default_factory=list, description="Token ids that end generation (each >= 0)."
-    )
+    stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end generation (each >= 0).")
     ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")
     include_stop_str_in_output: bool = Field(
         False, description="Keep the matched stop string at the end of the output text."
     )
-    skip_special_tokens: bool = Field(
-        True, description="Leave special tokens out of the detokenized text."
-    )
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the detokenized text.")
 
     @field_validator("max_tokens")
     @classmethod
@@ -120,8 +114,7 @@ class SamplingParams(BaseModel):
     def _check_min_le_max(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(
-                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
-                f"> max_tokens={self.max_tokens}"
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > max_tokens={self.max_tokens}"
             )
         return self
 

@@ -63,35 +63,29 @@ class SamplingMetadata:
             )
         greedy = [p.is_greedy for p in params]
         # Greedy rows ignore top-k / top-p, so they never force that work on the batch.
-        top_ks = [0 if g else p.top_k for p, g in zip(params, greedy)]
-        top_ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        top_ks = [0 if g else p.top_k for p, g in zip(params, greedy, strict=True)]
+        top_ps = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
         generators: dict[int, torch.Generator] = {}
-        for i, (p, g) in enumerate(zip(params, greedy)):
+        for i, (p, g) in enumerate(zip(params, greedy, strict=True)):
             if p.seed is not None and not g:
                 gen = torch.Generator(device=device)
                 gen.manual_seed(row_seed(p.seed, output_indices[i]))
                 generators[i] = gen
         return cls(
             temperature=torch.tensor(
-                [0.0 if g else p.temperature for p, g in zip(params, greedy)],
+                [0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
                 dtype=torch.float32,
                 device=device,
             ),
             top_k=torch.tensor(top_ks, dtype=torch.int64, device=device) if any(top_ks) else None,
-            top_p=(
-                torch.tensor(top_ps, dtype=torch.float32, device=device)
-                if any(p < 1.0 for p in top_ps)
-                else None
-            ),
+            top_p=(torch.tensor(top_ps, dtype=torch.float32, device=device) if any(p < 1.0 for p in top_ps) else None),
             all_greedy=all(greedy),
             all_random=not any(greedy),
             generators=generators,
         )
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Set to -inf every logit outside the row's top-k and then outside its top-p nucleus.
 
     Returns a new tensor; ``logits`` itself is not changed. One ascending sort serves both.

@@ -137,8 +137,10 @@ class Scheduler:
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether a token still to come back reaches the request's length limit (async scheduling)."""
         pending = request.num_placeholders
-        return pending > 0 and (request.num_output_tokens + pending >= request.sampling.max_tokens
-                                or len(request.token_ids) + pending >= self.max_model_len)  # fmt: skip
+        return pending > 0 and (
+            request.num_output_tokens + pending >= request.sampling.max_tokens
+            or len(request.token_ids) + pending >= self.max_model_len
+        )
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
         """The step's share of ``request``; advances its computed tokens (and placeholders, if it samples)."""
@@ -163,10 +165,14 @@ class Scheduler:
         """Appends the sampled tokens (in place of their placeholders) and applies stop conditions."""
         updates = []
         ran = self._scheduled.pop(sched.step_id, {})
-        for req_id, token in zip(output.req_ids, output.sampled_token_ids):
+        for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
             request = ran.get(req_id)
-            if request is None or self.requests.get(req_id) is not request or request.status != RequestStatus.RUNNING \
-                    or not request.num_placeholders:  # fmt: skip
+            if (
+                request is None
+                or self.requests.get(req_id) is not request
+                or request.status != RequestStatus.RUNNING
+                or not request.num_placeholders
+            ):
                 continue  # aborted, finished or preempted while the step ran: the token is dropped
             request.num_placeholders -= 1
             request.token_ids.append(token)

@@ -85,7 +85,7 @@ class WorkerBase(ABC):
     def wake_up(self, tags: Iterable[str] | None = None) -> WorkerWakeReport:
         """Restores "weights" and/or "kv_cache" (default both)."""
 
-    def check_health(self) -> None:
+    def check_health(self) -> None:  # noqa: B027 - an optional hook: a worker that can always serve keeps it
         """Raises if the worker cannot serve; returns None while it can."""
 
     @abstractmethod

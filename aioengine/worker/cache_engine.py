@@ -84,5 +84,5 @@ def _swap_blocks(src_cache: list[torch.Tensor], dst_cache: list[torch.Tensor], s
         raise RuntimeError("swap requested but the host cache has no blocks (KVCacheConfig.num_host_blocks is 0)")
     src = torch.tensor(list(src_to_dst.keys()), device=src_cache[0].device)
     dst = torch.tensor(list(src_to_dst.values()), device=dst_cache[0].device)
-    for s, d in zip(src_cache, dst_cache):
+    for s, d in zip(src_cache, dst_cache, strict=True):
         d[:, dst] = s[:, src].to(d.device, non_blocking=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -12,8 +13,8 @@ from aioengine.worker.worker import Worker
 class CUDAWorker(Worker):
     """Runs the model on one CUDA device (``cuda:local_rank`` unless the config names one)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, config: Any, rank: int = 0, local_rank: int = 0, is_driver_worker: bool = True) -> None:
+        super().__init__(config, rank, local_rank, is_driver_worker)
         self.init_device_memory = 0
 
     def _bind_device(self) -> None:

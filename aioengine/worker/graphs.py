@@ -32,9 +32,17 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 class PaddedDecodeRunner:
     """Runs decode-only steps at bucket sizes from static buffers (graph replay on CUDA)."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], sizes: list[int], block_size: int,
-                 max_blocks_per_seq: int, device: torch.device, use_graphs: bool,
-                 decode_kernel: Callable[..., None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        sizes: list[int],
+        block_size: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        use_graphs: bool,
+        decode_kernel: Callable[..., None] | None = None,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes)
@@ -79,8 +87,13 @@ class PaddedDecodeRunner:
         )
 
     def _forward(self, size: int, width: int, groups: list[tuple[torch.Tensor, int]] | None = None) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches,
-                          self._meta(size, width, groups), self.logits_indices[:size])  # fmt: skip
+        return self.model(
+            self.input_ids[:size],
+            self.positions[:size],
+            self.kv_caches,
+            self._meta(size, width, groups),
+            self.logits_indices[:size],
+        )
 
     def _fill(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, size: int) -> None:
         """Copies a batch into the static buffers; rows past the batch become null-block padding."""
@@ -102,8 +115,13 @@ class PaddedDecodeRunner:
             torch.lt(self._key_pos.unsqueeze(0), self.positions[:size].unsqueeze(1) + 1, out=self.mask[:size, 0, 0])
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-            groups: list[tuple[torch.Tensor, int]] | None = None) -> torch.Tensor:  # fmt: skip
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        groups: list[tuple[torch.Tensor, int]] | None = None,
+    ) -> torch.Tensor:
         """Logits [B, V] of a decode batch of B <= max_batch_size tokens.
 
         ``groups`` (eager only; ignored on graph replay) splits the real rows by context length.

@@ -82,18 +82,28 @@ class ModelRunner:
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         start = time.perf_counter()
-        self.model = load_model(path, self.hf_config, self.dtype, self.device, self.max_model_len,
-                                strict=self.config.load.strict)
+        self.model = load_model(
+            path, self.hf_config, self.dtype, self.device, self.max_model_len, strict=self.config.load.strict
+        )
         cfg = self.hf_config
         self.info = ModelInfo(
-            model_path=str(path), architecture=cfg.architectures[0], num_layers=cfg.num_hidden_layers,
-            num_kv_heads=num_kv_heads_of(cfg), head_size=head_dim_of(cfg), vocab_size=cfg.vocab_size,
-            max_model_len=self.max_model_len, dtype=str(self.dtype).removeprefix("torch."),
+            model_path=str(path),
+            architecture=cfg.architectures[0],
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=num_kv_heads_of(cfg),
+            head_size=head_dim_of(cfg),
+            vocab_size=cfg.vocab_size,
+            max_model_len=self.max_model_len,
+            dtype=str(self.dtype).removeprefix("torch."),
             eos_token_ids=tuple(self.eos_token_ids),
-        )  # fmt: skip
+        )
         self.prepack_weights()
-        if self.config.device.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32 \
-                and self.cache_dtype() == torch.float32:  # fmt: skip
+        if (
+            self.config.device.cpu_kernels
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and self.cache_dtype() == torch.float32
+        ):
             kernels = cpu_kernels.load()
             if kernels is not None:
                 self.decode_kernel = kernels.paged_decode_attention
@@ -161,18 +171,29 @@ class ModelRunner:
         self.kv_cache_config = kv_cache_config
         info = self.model_info()
         self.cache_engine = CacheEngine(
-            info.num_layers, info.num_kv_heads, info.head_size, kv_cache_config.block_size,
-            kv_cache_config.num_cache_blocks, self.cache_dtype(), self.device, kv_cache_config.num_host_blocks,
-        )  # fmt: skip
+            info.num_layers,
+            info.num_kv_heads,
+            info.head_size,
+            kv_cache_config.block_size,
+            kv_cache_config.num_cache_blocks,
+            self.cache_dtype(),
+            self.device,
+            kv_cache_config.num_host_blocks,
+        )
         compile_cfg = self.config.compile
         if not compile_cfg.enforce_eager:
             assert self.model is not None
             sizes = compile_cfg.cuda_graph_sizes or default_capture_sizes(self.config.scheduler.max_num_seqs)
             self.decode_runner = PaddedDecodeRunner(
-                self.model, self.cache_engine.device_cache, sizes, self.block_size,
-                -(-self.max_model_len // self.block_size), self.device, use_graphs=self.device.type == "cuda",
+                self.model,
+                self.cache_engine.device_cache,
+                sizes,
+                self.block_size,
+                -(-self.max_model_len // self.block_size),
+                self.device,
+                use_graphs=self.device.type == "cuda",
                 decode_kernel=self.decode_kernel,
-            )  # fmt: skip
+            )
 
     def capture_model(self) -> float:
         """Captures the decode CUDA graphs (no-op on CPU or with enforce_eager); returns seconds."""
@@ -192,13 +213,19 @@ class ModelRunner:
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         info = self.model_info()
         blocks = -(-num_tokens // self.block_size)
-        scratch = CacheEngine(info.num_layers, info.num_kv_heads, info.head_size, self.block_size,
-                              blocks, self.cache_dtype(), self.device)  # fmt: skip
+        scratch = CacheEngine(
+            info.num_layers, info.num_kv_heads, info.head_size, self.block_size, blocks, self.cache_dtype(), self.device
+        )
         req = ScheduledRequest("profile", [0] * num_tokens, 0, list(range(blocks)), sampling=None)
         inputs = self.prepare_inputs(SchedulerOutput(-1, [req]))
         assert self.model is not None
-        self.model(inputs.input_ids, inputs.positions, scratch.device_cache, inputs.meta,
-                   torch.tensor([num_tokens - 1], device=self.device))  # fmt: skip
+        self.model(
+            inputs.input_ids,
+            inputs.positions,
+            scratch.device_cache,
+            inputs.meta,
+            torch.tensor([num_tokens - 1], device=self.device),
+        )
         del scratch
 
     # ---- one step ----------------------------------------------------------------------------------
@@ -231,16 +258,26 @@ class ModelRunner:
                 decode_mask = decode_mask.to(dev)
                 groups = split_decode_rows([len(r.block_ids) for r in reqs[:num_decodes]])
         prefills = [
-            PrefillChunk(int(cu[i] - lens[i]), int(lens[i]), int(starts[i]), tables[i, : len(reqs[i].block_ids)].to(dev))
+            PrefillChunk(
+                int(cu[i] - lens[i]), int(lens[i]), int(starts[i]), tables[i, : len(reqs[i].block_ids)].to(dev)
+            )
             for i in range(num_decodes, len(reqs))
         ]
         sample_rows = [i for i, r in enumerate(reqs) if r.sample]
-        meta = AttentionMetadata(slots.to(dev), num_decodes, decode_tables, decode_mask, prefills,
-                                 decode_groups=_on_device(groups, dev), decode_kernel=self.decode_kernel,
-                                 decode_context_lens=decode_lens)  # fmt: skip
+        meta = AttentionMetadata(
+            slots.to(dev),
+            num_decodes,
+            decode_tables,
+            decode_mask,
+            prefills,
+            decode_groups=_on_device(groups, dev),
+            decode_kernel=self.decode_kernel,
+            decode_context_lens=decode_lens,
+        )
         input_ids = torch.tensor([t for r in reqs for t in r.token_ids], device=dev)
-        return StepInputs(input_ids, positions.to(dev), meta, (cu[sample_rows] - 1).to(dev),
-                          [reqs[i] for i in sample_rows])  # fmt: skip
+        return StepInputs(
+            input_ids, positions.to(dev), meta, (cu[sample_rows] - 1).to(dev), [reqs[i] for i in sample_rows]
+        )
 
     def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> None:
         """Rows still short of ``min_tokens`` cannot pick EOS or a stop id (as in vLLM)."""
@@ -268,8 +305,9 @@ class ModelRunner:
             logits, sample_reqs = self._run_padded_decode(reqs)
         else:
             inputs = self.prepare_inputs(sched)
-            logits = self.model(inputs.input_ids, inputs.positions, self.cache_engine.device_cache, inputs.meta,
-                                inputs.logits_indices)  # fmt: skip
+            logits = self.model(
+                inputs.input_ids, inputs.positions, self.cache_engine.device_cache, inputs.meta, inputs.logits_indices
+            )
             sample_reqs = inputs.sample_reqs
         if not sample_reqs:
             return ModelRunnerOutput(sched.step_id, [], [], time.perf_counter() - start)
@@ -290,10 +328,13 @@ class ModelRunner:
         step_id, logits, reqs, start = self._pending
         self._pending = None
         self._suppress_stops_before_min_tokens(logits, reqs)
-        meta = SamplingMetadata.build([r.sampling for r in reqs],  # type: ignore[misc]
-                                      [r.output_index for r in reqs], self.device)  # fmt: skip
+        meta = SamplingMetadata.build(
+            [r.sampling for r in reqs],  # type: ignore[misc]
+            [r.output_index for r in reqs],
+            self.device,
+        )
         tokens = self.sampler(logits, meta).tolist()
-        self._last_sampled = {r.req_id: token for r, token in zip(reqs, tokens)}
+        self._last_sampled = {r.req_id: token for r, token in zip(reqs, tokens, strict=True)}
         return ModelRunnerOutput(step_id, [r.req_id for r in reqs], tokens, time.perf_counter() - start)
 
     def _fill_placeholders(self, sched: SchedulerOutput) -> SchedulerOutput:
@@ -305,8 +346,10 @@ class ModelRunner:
             if r.token_ids and r.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
                 token = self._last_sampled.get(r.req_id)
                 if token is None:
-                    raise RuntimeError(f"request {r.req_id!r} was scheduled with the token of a step that did not "
-                                       "sample it (placeholder without a previous sample)")  # fmt: skip
+                    raise RuntimeError(
+                        f"request {r.req_id!r} was scheduled with the token of a step that did not "
+                        "sample it (placeholder without a previous sample)"
+                    )
                 r = dataclasses.replace(r, token_ids=[*r.token_ids[:-1], token])
             reqs.append(r)
         return dataclasses.replace(sched, requests=reqs)
@@ -330,5 +373,7 @@ class ModelRunner:
         return logits, [reqs[i] for i in rows]
 
 
-def _on_device(groups: list[tuple[list[int], int]] | None, device: torch.device) -> list[tuple[torch.Tensor, int]] | None:
+def _on_device(
+    groups: list[tuple[list[int], int]] | None, device: torch.device
+) -> list[tuple[torch.Tensor, int]] | None:
     return None if groups is None else [(torch.tensor(rows, device=device), width) for rows, width in groups]

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 def release_host_memory() -> None:
     """Collects garbage and asks glibc to return freed heap pages to the OS (resident memory drops)."""
     gc.collect()
@@ -233,4 +234,3 @@ def _empty_device_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
     else:
         release_host_memory()
-

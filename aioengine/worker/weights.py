@@ -14,7 +14,6 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 import torch
 
@@ -31,7 +30,7 @@ class StagedWeights:
     nbytes: int
 
 
-WeightSource = Union[str, os.PathLike, Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]], StagedWeights]
+WeightSource = str | os.PathLike[str] | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | StagedWeights
 TensorStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 """Yields the source's ``(name, tensor)`` pairs when called, lazily where it can (files, a broadcast)."""
 
@@ -63,8 +62,7 @@ def describe_source(source: WeightSource) -> tuple[list[TensorSpec], TensorStrea
     return [(n, tuple(t.shape), t.dtype) for n, t in pairs], lambda: iter(pairs)
 
 
-def check_source(model: LlamaForCausalLM, specs: Iterable[TensorSpec], *, strict: bool,
-                 partial: bool) -> WeightPlan:  # fmt: skip
+def check_source(model: LlamaForCausalLM, specs: Iterable[TensorSpec], *, strict: bool, partial: bool) -> WeightPlan:
     """Checks every tensor (name, shape, dtype, duplicates, coverage) before anything is written.
 
     Returns the plan: ``plan.targets`` says where each checked name goes.
@@ -78,8 +76,9 @@ def check_source(model: LlamaForCausalLM, specs: Iterable[TensorSpec], *, strict
     return plan
 
 
-def stage_weights(model: LlamaForCausalLM, source: WeightSource, *, strict: bool = True,
-                  partial: bool = False) -> StagedWeights:  # fmt: skip
+def stage_weights(
+    model: LlamaForCausalLM, source: WeightSource, *, strict: bool = True, partial: bool = False
+) -> StagedWeights:
     """Reads and checks the whole source into host memory; safe to run beside serving (reads only)."""
     specs, stream = describe_source(source)
     check_source(model, specs, strict=strict, partial=partial)
@@ -89,8 +88,16 @@ def stage_weights(model: LlamaForCausalLM, source: WeightSource, *, strict: bool
     return StagedWeights(tensors, sum(t.numel() * t.element_size() for _, t in tensors))
 
 
-def apply_weights(model: LlamaForCausalLM, specs: Iterable[TensorSpec], stream: TensorStream, *, strict: bool = True,
-                  partial: bool = False, rank: int = 0, world_size: int = 1) -> tuple[int, int]:  # fmt: skip
+def apply_weights(
+    model: LlamaForCausalLM,
+    specs: Iterable[TensorSpec],
+    stream: TensorStream,
+    *,
+    strict: bool = True,
+    partial: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+) -> tuple[int, int]:
     """Checks every spec, then writes the streamed tensors in place. Returns (tensors, bytes) written.
 
     The one write path of every weight change (update_weights, staged or not, and worker extensions

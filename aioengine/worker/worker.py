@@ -153,8 +153,13 @@ class Worker(WorkerBase):
         assert model is not None
         start = time.perf_counter()
         self._staged = stage_weights(model, source, strict=self.config.load.strict, partial=partial)
-        return WorkerWeightsReport(len(self._staged.tensors), self._staged.nbytes, time.perf_counter() - start,
-                                   self.weights_version, self._backend().weights_valid)  # fmt: skip
+        return WorkerWeightsReport(
+            len(self._staged.tensors),
+            self._staged.nbytes,
+            time.perf_counter() - start,
+            self.weights_version,
+            self._backend().weights_valid,
+        )
 
     def update_weights(self, source: WeightSource | None, partial: bool = False) -> WorkerWeightsReport:
         """Checks the whole source, then writes it in place (``None``: what ``stage_weights`` read)."""
@@ -179,8 +184,15 @@ class Worker(WorkerBase):
         runner = self._runner()
         assert runner.model is not None and self.device is not None
         start = time.perf_counter()
-        tensors, nbytes = apply_weights(runner.model, specs, stream, strict=self.config.load.strict, partial=partial,
-                                        rank=self.rank, world_size=self.config.parallel.tensor_parallel_size)  # fmt: skip
+        tensors, nbytes = apply_weights(
+            runner.model,
+            specs,
+            stream,
+            strict=self.config.load.strict,
+            partial=partial,
+            rank=self.rank,
+            world_size=self.config.parallel.tensor_parallel_size,
+        )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.weights_version += 1
@@ -188,8 +200,9 @@ class Worker(WorkerBase):
             backend.weights_loaded()
         if backend.weights_valid:
             runner.prepack_weights()
-        return WorkerWeightsReport(tensors, nbytes, time.perf_counter() - start, self.weights_version,
-                                   backend.weights_valid)  # fmt: skip
+        return WorkerWeightsReport(
+            tensors, nbytes, time.perf_counter() - start, self.weights_version, backend.weights_valid
+        )
 
     def compile_or_warm_up_model(self) -> float:
         """Warm-up forward, then decode graph capture (CUDA); returns seconds, which are logged."""
@@ -208,8 +221,9 @@ class Worker(WorkerBase):
         if cache is None:
             raise EngineStateError("execute_model without a KV cache (asleep, or before initialize_from_config)")
         if not self._backend().weights_valid:
-            raise EngineStateError("refusing to run a forward: the weights were discarded (sleep level 2); "
-                                   "load them again first")  # fmt: skip
+            raise EngineStateError(
+                "refusing to run a forward: the weights were discarded (sleep level 2); load them again first"
+            )
         cache.swap_in(scheduler_output.blocks_to_swap_in)
         cache.swap_out(scheduler_output.blocks_to_swap_out)
         cache.copy(scheduler_output.blocks_to_copy)
@@ -229,7 +243,8 @@ class Worker(WorkerBase):
         cfg = self.config.profiler
         if cfg.dir is None:
             raise RuntimeError(
-                "profiling is off: set profiler.dir (e.g. AIOENGINE_PROFILER__DIR=/tmp/traces) to a directory for traces"
+                "profiling is off: set profiler.dir (e.g. AIOENGINE_PROFILER__DIR=/tmp/traces) "
+                "to a directory for traces"
             )
         if is_start:
             if self.profiler is not None:
@@ -238,9 +253,11 @@ class Worker(WorkerBase):
             if self.device is not None and self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(
-                activities=activities, record_shapes=cfg.record_shapes, with_stack=cfg.with_stack,
+                activities=activities,
+                record_shapes=cfg.record_shapes,
+                with_stack=cfg.with_stack,
                 on_trace_ready=torch.profiler.tensorboard_trace_handler(cfg.dir, worker_name=f"rank{self.rank}"),
-            )  # fmt: skip
+            )
             self.profiler.start()
             return None
         if self.profiler is None:

@@ -31,9 +31,10 @@ def with_extension(worker_cls: type, extension_cls: type) -> type:
     """A NEW subclass mixing ``extension_cls`` into ``worker_cls``; neither class is modified."""
     own = {name for c in extension_cls.__mro__ if c is not object for name in vars(c)}  # composed mixins too
     clashes = sorted(
-        name for name in own
+        name
+        for name in own
         if not (name.startswith("__") and name.endswith("__")) and any(hasattr(c, name) for c in worker_cls.__mro__)
-    )  # fmt: skip
+    )
     if clashes:
         raise AIOEngineError(
             f"worker extension {extension_cls.__qualname__} redefines worker attribute(s) {clashes}; rename them"
