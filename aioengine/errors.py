@@ -39,6 +39,12 @@ class EngineStateError(AIOEngineError, RuntimeError):
     """
 
 
+class WeightsLostError(CheckpointError):
+    """A weight write failed after its first tensor was written (a shard file vanished or was cut short,
+    a tensor of a streamed source held NaN / Inf). The weights are a mix, so the engine refuses to run
+    a forward on them until a full ``update_weights`` or ``reload_weights`` succeeds."""
+
+
 class EngineDeadError(AIOEngineError, RuntimeError):
     """The engine stopped (shut down, or its worker failed); it takes no more requests."""
 

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from aioengine.errors import AIOEngineError, CheckpointError
+from aioengine.errors import AIOEngineError, CheckpointError, WeightsLostError
 from aioengine.messages import WorkerWeightsReport
+from aioengine.worker.weights import SourceView, tensor_source
 
 __all__ = [
     "LOOPBACK",
@@ -151,19 +152,21 @@ class WeightSyncExtension:
         super().__init__()
         self._weight_sync_group: tuple[dist.Store, Any, str] | None = None
 
-    def load_weights_from_tensors(self, named_tensors: NamedTensors, partial: bool = True) -> WorkerWeightsReport:
+    def load_weights_from_tensors(
+        self, named_tensors: NamedTensors, partial: bool = True, allow_non_finite: bool = False
+    ) -> WorkerWeightsReport:
         """Writes ``[(hf_name, tensor)]`` (or a dict) into the model; returns the worker's report.
 
-        ``partial=False`` also requires every parameter to be covered. All names and shapes are
-        checked first; a bad batch raises ``CheckpointError`` naming the tensor and writes nothing.
+        ``partial=False`` also requires every parameter to be covered. Every name, shape and dtype,
+        and every tensor's data (materialised, dense, finite unless ``allow_non_finite``; a DTensor
+        shard is refused) is checked first; a bad batch raises ``CheckpointError`` naming the tensor
+        and writes nothing.
         """
-        pairs = _as_pairs(named_tensors)
-        for name, tensor in pairs:
-            if not isinstance(tensor, torch.Tensor):
-                raise CheckpointError(f"weight update {name!r} is a {type(tensor).__name__}, not a tensor")
-        specs = [(name, tuple(t.shape), t.dtype) for name, t in pairs]
         try:
-            return self.write_weights(specs, lambda: iter(pairs), partial=partial)  # type: ignore[attr-defined]
+            source = tensor_source(list(_as_pairs(named_tensors)), allow_non_finite=allow_non_finite)
+            return self.write_weights(source, partial=partial)  # type: ignore[attr-defined,no-any-return]
+        except WeightsLostError:
+            raise
         except CheckpointError as exc:
             raise _refused(exc, partial) from exc
 
@@ -201,9 +204,11 @@ class WeightSyncExtension:
     ) -> WorkerWeightsReport:
         """Receives the tensors ``metadata`` describes, in its order, writing each in place.
 
-        Names and shapes are checked against the model before anything is written: a bad batch is
+        Names and shapes are checked against the model before anything is received: a bad batch is
         still received (so the trainer's broadcast completes) but dropped, and ``CheckpointError``
-        names the tensor. Peak extra memory is one tensor. Returns the worker's report.
+        names the tensor. Each tensor's data is checked (finite) as it arrives: one that fails after
+        the first write raises ``WeightsLostError`` (the engine then serves nothing until a full
+        write). Peak extra memory is one tensor. Returns the worker's report.
         """
         state = self._weight_sync_group
         if state is None:
@@ -218,13 +223,17 @@ class WeightSyncExtension:
                 group.broadcast(buf, src).wait()
                 yield name, buf
 
+        incoming = received()  # one stream: what a failed write left unread is drained from it below
+        source = SourceView([(n, s, d) for n, d, s in specs], lambda: incoming, tensors_checked=False)
         try:
-            return self.write_weights([(n, s, d) for n, d, s in specs], received, partial=partial)  # type: ignore[attr-defined]
+            return self.write_weights(source, partial=partial)  # type: ignore[attr-defined,no-any-return]
         except CheckpointError as exc:
-            # Checked before the first receive: still take the broadcast (and drop it), so the trainer
-            # does not hang and the group stays usable.
-            for _ in received():
+            # Still take the rest of the broadcast (and drop it), so the trainer does not hang and the
+            # group stays usable.
+            for _ in incoming:
                 pass
+            if isinstance(exc, WeightsLostError):
+                raise
             raise _refused(exc, partial) from exc
 
     def close_weight_update_group(self) -> None:

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from aioengine import AsyncEngine, SamplingParams
+from aioengine.errors import CheckpointError, WeightsLostError
 from aioengine.testing import build_checkpoint
 from tests.conftest import engine_config
 from tests.helpers import TIMEOUT, final, hf_generate
@@ -190,3 +191,113 @@ async def test_a_partial_push_after_a_level_2_sleep_does_not_make_the_weights_va
     assert engine.stats().weights_valid is False  # the rest is still discarded: no step may run
     await engine.reload_weights()
     assert engine.stats().weights_valid is True
+
+
+# ---- weight writes are all or nothing ------------------------------------------------------------------
+def _b_with_last(ckpt_b: Path, last: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Checkpoint B's tensors, the last one (in order) replaced by ``last``."""
+    tensors = load_file(ckpt_b / "model.safetensors")
+    name = list(tensors)[-1]
+    tensors[name] = last
+    return tensors
+
+
+@pytest.mark.parametrize("path", ["update_weights", "weight_sync"])
+@pytest.mark.parametrize("bad", ["meta", "nan", "inf", "sparse"])
+async def test_a_source_whose_last_tensor_cannot_be_written_changes_nothing(
+    engine: AsyncEngine, ckpt_b: Path, reference: dict[str, list[list[int]]], path: str, bad: str
+) -> None:
+    shape = list(load_file(ckpt_b / "model.safetensors").values())[-1].shape
+    last = {
+        "meta": torch.empty(shape, device="meta"),
+        "nan": torch.full(shape, float("nan")),
+        "inf": torch.full(shape, float("inf")),
+        "sparse": torch.zeros(shape).to_sparse(),
+    }[bad]
+    source = _b_with_last(ckpt_b, last)
+    with pytest.raises(CheckpointError, match=repr(list(source)[-1])):
+        if path == "update_weights":
+            await engine.update_weights(source)
+        else:
+            await engine.collective_rpc("load_weights_from_tensors", (source,), {"partial": False})
+    assert engine.weights_version == 0
+    assert engine.stats().weights_valid
+    assert await tokens(engine) == reference["A"]
+
+
+async def test_a_dtensor_from_an_fsdp2_state_dict_is_refused_naming_full_tensor(
+    engine: AsyncEngine, ckpt_b: Path, reference: dict[str, list[list[int]]], tmp_path: Path
+) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        tensors = load_file(ckpt_b / "model.safetensors")
+        name = list(tensors)[-1]
+        tensors[name] = distribute_tensor(tensors[name], init_device_mesh("cpu", (1,)), [Shard(0)])
+        with pytest.raises(CheckpointError, match=r"DTensor.*full_tensor\(\)"):
+            await engine.update_weights(tensors)
+    finally:
+        dist.destroy_process_group()
+    assert engine.weights_version == 0
+    assert await tokens(engine) == reference["A"]
+
+
+async def test_non_finite_weights_are_written_when_explicitly_allowed(engine: AsyncEngine, ckpt_b: Path) -> None:
+    tensors = load_file(ckpt_b / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    report = await engine.update_weights({name: torch.full_like(tensors[name], float("nan"))}, partial=True,
+                                         allow_non_finite=True)  # fmt: skip
+    assert report.tensors == 1 and report.weights_version == 1
+
+
+@pytest.fixture
+def sharded_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama-b-sharded", "llama", seed=1, num_shards=2)
+
+
+async def test_a_shard_that_vanishes_mid_update_leaves_the_engine_refusing_to_serve_a_mix(
+    engine: AsyncEngine, sharded_b: Path, llama_ckpt: Path, reference: dict[str, list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    from aioengine.worker import weights
+
+    shards = sorted(sharded_b.glob("*.safetensors"))
+    real = weights.iter_safetensors
+
+    def vanishing(files: Any) -> Any:
+        for i, item in enumerate(real(files)):
+            yield item
+            if i == 0:
+                shards[-1].unlink()  # the trainer's cleanup removes the next shard while we stream
+
+    monkeypatch.setattr(weights, "iter_safetensors", vanishing)
+    with pytest.raises(WeightsLostError, match="serves nothing until"):
+        await engine.update_weights(sharded_b)
+    assert engine.stats().weights_valid is False
+    waiting = asyncio.ensure_future(final(engine, PROMPTS[0], GREEDY))
+    await until(lambda: engine.stats().requests_waiting == 1, "the request is queued")
+    assert not waiting.done()
+    monkeypatch.setattr(weights, "iter_safetensors", real)
+    await engine.update_weights(llama_ckpt)  # a full write: serving again, on A
+    assert list((await waiting).token_ids) == reference["A"][0]
+
+
+async def test_a_streamed_file_with_a_nan_tensor_is_refused_before_the_write_or_loses_the_weights(
+    engine: AsyncEngine, ckpt_b: Path, llama_ckpt: Path, reference: dict[str, list[list[int]]], tmp_path: Path
+) -> None:
+    from safetensors.torch import save_file
+
+    tensors = load_file(ckpt_b / "model.safetensors")
+    last = list(tensors)[-1]
+    tensors[last] = torch.full_like(tensors[last], float("nan"))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightsLostError, match="NaN or Inf"):
+        await engine.update_weights(tmp_path / "model.safetensors")
+    assert engine.stats().weights_valid is False  # never a mix served
+    with pytest.raises(CheckpointError, match="NaN or Inf"):  # staged: checked before the first write
+        await engine.update_weights(tmp_path / "model.safetensors", stage=True)
+    await engine.reload_weights()
+    assert await tokens(engine) == reference["A"]

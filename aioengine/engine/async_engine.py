@@ -21,6 +21,7 @@ from aioengine.errors import (
     EngineStateError,
     InvalidRequestError,
     RequestTooLargeError,
+    WeightsLostError,
 )
 from aioengine.executor.base import Executor
 from aioengine.messages import KVCacheConfig, ModelInfo, SleepLevel, WorkerWeightsReport
@@ -293,7 +294,11 @@ class AsyncEngine:
         """
         core = self._require_core()
         assert self.executor is not None
-        results = await self.executor.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
+        try:
+            results = await self.executor.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
+        except WeightsLostError:
+            core.weights_lost()
+            raise
         replies = results if unique_reply_rank is None else [results]
         reports = [r for r in replies if isinstance(r, WorkerWeightsReport)]
         if reports:
@@ -349,7 +354,12 @@ class AsyncEngine:
         return await self.update_weights(self.model_info.model_path, mode=mode)
 
     async def update_weights(
-        self, source: Any, mode: UpdateMode = "pause", partial: bool = False, stage: bool = False
+        self,
+        source: Any,
+        mode: UpdateMode = "pause",
+        partial: bool = False,
+        stage: bool = False,
+        allow_non_finite: bool = False,
     ) -> WeightUpdateReport:
         """Swaps new weights into the live engine, all or nothing.
 
@@ -363,8 +373,15 @@ class AsyncEngine:
         the new weights. Requests sent meanwhile wait; none is dropped. ``stage=True`` reads and
         checks the whole source into host memory while the engine keeps serving, so the pause covers
         only the copy.
+
+        Tensors held in memory must be readable as they are (not on the meta device, not DTensor
+        shards, dense) and finite (``allow_non_finite=True`` writes NaN / Inf anyway). Files are
+        streamed, so their data is checked as it is read: a file that breaks or a non-finite tensor
+        after the first write raises ``WeightsLostError`` and the engine serves nothing until a full
+        update or ``reload_weights`` succeeds (never a mix of old and new). ``stage=True`` checks
+        everything before the first write.
         """
-        return await self._require_control().update_weights(source, mode, partial, stage)
+        return await self._require_control().update_weights(source, mode, partial, stage, allow_non_finite)
 
     @property
     def weights_version(self) -> int:

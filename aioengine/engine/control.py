@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from aioengine.engine.core import EngineCore, QuiesceMode
-from aioengine.errors import EngineStateError
+from aioengine.errors import EngineStateError, WeightsLostError
 from aioengine.messages import (
     SleepLevel,
     TagBytes,
@@ -152,7 +152,12 @@ class EngineControl:
         )
 
     async def update_weights(
-        self, source: Any, mode: UpdateMode = "pause", partial: bool = False, stage: bool = False
+        self,
+        source: Any,
+        mode: UpdateMode = "pause",
+        partial: bool = False,
+        stage: bool = False,
+        allow_non_finite: bool = False,
     ) -> WeightUpdateReport:
         check_choice("update_weights mode", mode, UpdateMode)
         core = self.core
@@ -161,13 +166,17 @@ class EngineControl:
             if "weights" in core.memory.asleep:
                 raise EngineStateError("the weights are asleep: wake_up(tags=['weights']) first, then update them")
             if stage:
-                await session.run(self.executor.run_aside("stage_weights", (source, partial)))
+                await session.run(self.executor.run_aside("stage_weights", (source, partial, allow_non_finite)))
                 source = None  # each worker applies what it staged
             pause_start = time.perf_counter()
             await session.quiesce(_UPDATE_QUIESCE[mode])
 
             async def on_workers() -> WorkerWeightsReport:
-                replies = await self.executor.collective_rpc("update_weights", (source, partial))
+                try:
+                    replies = await self.executor.collective_rpc("update_weights", (source, partial, allow_non_finite))
+                except WeightsLostError:
+                    core.weights_lost()
+                    raise
                 report = WorkerWeightsReport.merge(replies)
                 core.weights_written(report)
                 return report

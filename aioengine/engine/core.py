@@ -215,6 +215,10 @@ class EngineCore:
         if report.weights_valid != self.memory.weights_valid:
             self.set_memory(MemoryState(self.memory.asleep, self.memory.level, report.weights_valid))
 
+    def weights_lost(self) -> None:
+        """A worker's weight write broke half-way (WeightsLostError): no step runs until a full write."""
+        self.set_memory(MemoryState(self.memory.asleep, self.memory.level, weights_valid=False))
+
     async def _until_idle(self) -> None:
         await self._idle.wait()
         if self.dead is not None:

@@ -64,6 +64,10 @@ class SleepBackend(ABC):
         """Every parameter was written (a full reload or update): the weights may serve again."""
         self.weights_valid = True
 
+    def weights_discarded(self) -> None:
+        """A write broke half-way: the weights are a mix and must not serve until a full write."""
+        self.weights_valid = False
+
     @contextlib.contextmanager
     def allocation_region(self, tag: str) -> Iterator[None]:
         """Context that allocations of ``tag`` (weights / kv_cache) are made in; used at load time."""

@@ -3,9 +3,13 @@
 A source is a safetensors file or directory, a ``{name: tensor}`` mapping, an iterable of
 ``(name, tensor)`` pairs, or :class:`StagedWeights` (already read and checked). Names are the
 checkpoint's (HF) names; fused q/k/v and gate/up are mapped by the model. Nothing is written until
-every tensor has passed, so a bad source changes nothing. Writes use ``copy_`` into the existing
-parameters: addresses (and captured CUDA graphs) stay valid, and peak extra memory is one tensor
-when streaming from files.
+every tensor's name, shape and dtype has passed; tensors held in memory are also checked to be
+readable (materialised, plain strided tensors, not DTensor shards) and finite before the first
+write. Files are streamed (peak extra memory: one tensor), so their data is checked as it is read:
+a file that breaks, or a tensor that is not finite, after the first write raises
+``WeightsLostError`` and the weights count as discarded until a full write succeeds; never a mix
+served. ``stage=True`` reads everything first and so is all-or-nothing for files too. Writes use
+``copy_`` into the existing parameters: addresses (and captured CUDA graphs) stay valid.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from aioengine.errors import CheckpointError
+from aioengine.errors import CheckpointError, WeightsLostError
 from aioengine.model.llama import LlamaForCausalLM
 from aioengine.model.loader import TensorSpec, WeightPlan, checkpoint_files, iter_safetensors, safetensors_specs
 
@@ -35,6 +39,54 @@ TensorStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 """Yields the source's ``(name, tensor)`` pairs when called, lazily where it can (files, a broadcast)."""
 
 
+def _dtensor_type() -> type | None:
+    """torch's DTensor (what an FSDP2 ``state_dict()`` hands over); None in a build without distributed."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
+
+@dataclass(frozen=True, slots=True)
+class SourceView:
+    """What the write path needs of a source: its specs, a way to stream it, and whether every tensor
+    was already checked (readable, finite) before the first write."""
+
+    specs: list[TensorSpec]
+    stream: TensorStream
+    tensors_checked: bool
+
+
+def check_tensor(name: str, tensor: object, *, allow_non_finite: bool = False) -> torch.Tensor:
+    """``tensor`` if it can be copied into a parameter as it is; else CheckpointError naming it and why."""
+    if not isinstance(tensor, torch.Tensor):
+        raise CheckpointError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+    if _DTENSOR is not None and isinstance(tensor, _DTENSOR):
+        raise CheckpointError(
+            f"weight {name!r} is a DTensor (a shard of a distributed tensor, as FSDP2 state_dict() gives); "
+            "send tensor.full_tensor() instead"
+        )
+    if tensor.device.type == "meta":
+        raise CheckpointError(f"weight {name!r} is on the meta device: it has no data (materialise it first)")
+    if tensor.layout != torch.strided:
+        raise CheckpointError(f"weight {name!r} has layout {tensor.layout}; send a dense tensor (.to_dense())")
+    if not allow_non_finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise CheckpointError(
+            f"weight {name!r} holds NaN or Inf values; fix the source, or pass allow_non_finite=True to write it"
+        )
+    return tensor
+
+
+def tensor_source(pairs: list[tuple[str, object]], *, allow_non_finite: bool = False) -> SourceView:
+    """A source held in memory: every tensor checked now, before anything is written."""
+    checked = [(name, check_tensor(name, t, allow_non_finite=allow_non_finite)) for name, t in pairs]
+    return SourceView([(n, tuple(t.shape), t.dtype) for n, t in checked], lambda: iter(checked), True)
+
+
 def shard_for_rank(name: str, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """This rank's part of a full checkpoint tensor: THE place tensor parallelism fills in."""
     if world_size == 1:
@@ -42,24 +94,19 @@ def shard_for_rank(name: str, tensor: torch.Tensor, rank: int, world_size: int) 
     raise NotImplementedError("tensor-parallel weight sharding is not implemented yet")
 
 
-def describe_source(source: WeightSource) -> tuple[list[TensorSpec], TensorStream]:
-    """The source's tensor specs (without reading data, for files) and a way to stream its tensors."""
+def describe_source(source: WeightSource, *, allow_non_finite: bool = False) -> SourceView:
+    """The source's tensor specs (from the headers only, for files) and a way to stream its tensors."""
     if isinstance(source, StagedWeights):
-        pairs = source.tensors
-    elif isinstance(source, str | os.PathLike):
+        staged = source.tensors  # checked when staged
+        return SourceView([(n, tuple(t.shape), t.dtype) for n, t in staged], lambda: iter(staged), True)
+    if isinstance(source, str | os.PathLike):
         path = Path(source)
         if not path.exists():
             raise CheckpointError(f"weight source {str(path)!r} does not exist")
         files = checkpoint_files(path) if path.is_dir() else [path]
-        return safetensors_specs(files), lambda: iter_safetensors(files)
-    elif isinstance(source, Mapping):
-        pairs = list(source.items())
-    else:
-        pairs = list(source)
-    for name, tensor in pairs:
-        if not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-    return [(n, tuple(t.shape), t.dtype) for n, t in pairs], lambda: iter(pairs)
+        return SourceView(safetensors_specs(files), lambda: iter_safetensors(files), False)
+    pairs: list[tuple[str, object]] = list(source.items()) if isinstance(source, Mapping) else list(source)
+    return tensor_source(pairs, allow_non_finite=allow_non_finite)
 
 
 def check_source(model: LlamaForCausalLM, specs: Iterable[TensorSpec], *, strict: bool, partial: bool) -> WeightPlan:
@@ -77,41 +124,60 @@ def check_source(model: LlamaForCausalLM, specs: Iterable[TensorSpec], *, strict
 
 
 def stage_weights(
-    model: LlamaForCausalLM, source: WeightSource, *, strict: bool = True, partial: bool = False
+    model: LlamaForCausalLM,
+    source: WeightSource,
+    *,
+    strict: bool = True,
+    partial: bool = False,
+    allow_non_finite: bool = False,
 ) -> StagedWeights:
     """Reads and checks the whole source into host memory; safe to run beside serving (reads only)."""
-    specs, stream = describe_source(source)
-    check_source(model, specs, strict=strict, partial=partial)
+    view = describe_source(source, allow_non_finite=allow_non_finite)
+    check_source(model, view.specs, strict=strict, partial=partial)
     # copy=True: a safetensors tensor is a lazy view of its file (read in the pause, and changed by
     # a rewrite of the file); a caller's tensor may be trained on meanwhile. Staging keeps a snapshot.
-    tensors = [(name, tensor.to("cpu", copy=True)) for name, tensor in stream()]
+    tensors = [(name, tensor.to("cpu", copy=True)) for name, tensor in view.stream()]
+    if not view.tensors_checked:
+        for name, tensor in tensors:
+            check_tensor(name, tensor, allow_non_finite=allow_non_finite)
     return StagedWeights(tensors, sum(t.numel() * t.element_size() for _, t in tensors))
 
 
 def apply_weights(
     model: LlamaForCausalLM,
-    specs: Iterable[TensorSpec],
-    stream: TensorStream,
+    source: SourceView,
     *,
     strict: bool = True,
     partial: bool = False,
+    allow_non_finite: bool = False,
     rank: int = 0,
     world_size: int = 1,
 ) -> tuple[int, int]:
     """Checks every spec, then writes the streamed tensors in place. Returns (tensors, bytes) written.
 
     The one write path of every weight change (update_weights, staged or not, and worker extensions
-    such as the weight-sync plugin): a spec that fails raises CheckpointError before ``stream`` is
-    even called.
+    such as the weight-sync plugin): a spec that fails raises CheckpointError before the source is
+    even read. A streamed tensor that fails its check, or a stream that breaks, after the first write
+    raises WeightsLostError (the caller must treat the weights as discarded).
     """
-    plan = check_source(model, specs, strict=strict, partial=partial)
+    plan = check_source(model, source.specs, strict=strict, partial=partial)
     written = nbytes = 0
-    for name, tensor in stream():
-        target = plan.targets.get(name)
-        if target is None:
-            continue
-        shard = shard_for_rank(name, tensor, rank, world_size)
-        plan.destination(target).copy_(shard)
-        written += 1
-        nbytes += shard.numel() * shard.element_size()
+    try:
+        for name, tensor in source.stream():
+            target = plan.targets.get(name)
+            if target is None:
+                continue
+            if not source.tensors_checked:
+                check_tensor(name, tensor, allow_non_finite=allow_non_finite)
+            shard = shard_for_rank(name, tensor, rank, world_size)
+            plan.destination(target).copy_(shard)
+            written += 1
+            nbytes += shard.numel() * shard.element_size()
+    except Exception as exc:
+        if written == 0:
+            raise
+        raise WeightsLostError(
+            f"the weight update failed after {written} tensors were written ({exc}); the weights are now a mix, "
+            "so the engine serves nothing until a full update_weights or reload_weights succeeds"
+        ) from exc
     return written, nbytes

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from aioengine.errors import AIOEngineError, ConfigurationError, EngineStateError
+from aioengine.errors import AIOEngineError, ConfigurationError, EngineStateError, WeightsLostError
 from aioengine.messages import (
     KVCacheConfig,
     ModelInfo,
@@ -28,13 +28,12 @@ from aioengine.messages import (
     check_choice,
     check_tags,
 )
-from aioengine.model.loader import TensorSpec
 from aioengine.worker.base import WorkerBase
 from aioengine.worker.model_runner import ModelRunner
 from aioengine.worker.sleep import SleepBackend, create_sleep_backend
 from aioengine.worker.weights import (
+    SourceView,
     StagedWeights,
-    TensorStream,
     WeightSource,
     apply_weights,
     describe_source,
@@ -144,7 +143,9 @@ class Worker(WorkerBase):
         return sorted(self._backend().asleep)
 
     # ---- hot weight swap --------------------------------------------------------------------------------
-    def stage_weights(self, source: WeightSource, partial: bool = False) -> WorkerWeightsReport:
+    def stage_weights(
+        self, source: WeightSource, partial: bool = False, allow_non_finite: bool = False
+    ) -> WorkerWeightsReport:
         """Reads and checks ``source`` into host memory for the next ``update_weights(None)``.
 
         Runs off the step thread (Executor.run_aside) while the engine serves: it only reads the model.
@@ -152,7 +153,9 @@ class Worker(WorkerBase):
         model = self._runner().model
         assert model is not None
         start = time.perf_counter()
-        self._staged = stage_weights(model, source, strict=self.config.load.strict, partial=partial)
+        self._staged = stage_weights(
+            model, source, strict=self.config.load.strict, partial=partial, allow_non_finite=allow_non_finite
+        )
         return WorkerWeightsReport(
             len(self._staged.tensors),
             self._staged.nbytes,
@@ -161,22 +164,28 @@ class Worker(WorkerBase):
             self._backend().weights_valid,
         )
 
-    def update_weights(self, source: WeightSource | None, partial: bool = False) -> WorkerWeightsReport:
+    def update_weights(
+        self, source: WeightSource | None, partial: bool = False, allow_non_finite: bool = False
+    ) -> WorkerWeightsReport:
         """Checks the whole source, then writes it in place (``None``: what ``stage_weights`` read)."""
         if source is None:
             if self._staged is None:
                 raise EngineStateError("update_weights(None) without staged weights; call stage_weights first")
             source, self._staged = self._staged, None
-        specs, stream = describe_source(source)
-        return self.write_weights(specs, stream, partial=partial)
+        view = describe_source(source, allow_non_finite=allow_non_finite)
+        return self.write_weights(view, partial=partial, allow_non_finite=allow_non_finite)
 
-    def write_weights(self, specs: Iterable[TensorSpec], stream: TensorStream, *, partial: bool) -> WorkerWeightsReport:
+    def write_weights(
+        self, source: SourceView, *, partial: bool, allow_non_finite: bool = False
+    ) -> WorkerWeightsReport:
         """THE weight write of this worker, for ``update_weights`` and for extensions (weight sync).
 
         Checks every spec against the model (``WeightPlan``: names, shapes, dtypes, repeats, coverage
-        unless ``partial``) before ``stream`` is called, then copies in place; bumps
+        unless ``partial``) before the source is read, then copies in place; bumps
         ``weights_version``; a full write makes discarded weights valid again; rebuilds the packed
-        copies. The returned report tells the engine all of it (``EngineCore.weights_written``).
+        copies. The returned report tells the engine all of it (``EngineCore.weights_written``). A
+        write that breaks after its first tensor (``WeightsLostError``) leaves the weights discarded:
+        no forward runs on the mix.
         """
         backend = self._backend()
         if "weights" in backend.asleep:
@@ -184,15 +193,21 @@ class Worker(WorkerBase):
         runner = self._runner()
         assert runner.model is not None and self.device is not None
         start = time.perf_counter()
-        tensors, nbytes = apply_weights(
-            runner.model,
-            specs,
-            stream,
-            strict=self.config.load.strict,
-            partial=partial,
-            rank=self.rank,
-            world_size=self.config.parallel.tensor_parallel_size,
-        )
+        try:
+            tensors, nbytes = apply_weights(
+                runner.model,
+                source,
+                strict=self.config.load.strict,
+                partial=partial,
+                allow_non_finite=allow_non_finite,
+                rank=self.rank,
+                world_size=self.config.parallel.tensor_parallel_size,
+            )
+        except WeightsLostError:
+            self.weights_version += 1
+            backend.weights_discarded()
+            runner.drop_packed_weights()
+            raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.weights_version += 1
