@@ -147,3 +147,37 @@ async def test_an_rpc_past_its_timeout_makes_the_engine_say_it_is_held_until_the
     out = await final(llama_engine, [5, 6, 7], GREEDY)  # waits behind the call, then runs
     assert len(out.token_ids) == 8
     await llama_engine.check_health()  # the call returned: healthy again
+
+
+class StatefulExtension:
+    """A mixin with its own state, set up in its own ``__init__`` (cooperative, no arguments)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls_seen = 0
+        self.rank_at_init = self.rank  # type: ignore[attr-defined]
+
+    def count_call(self) -> tuple[int, int]:
+        self.calls_seen += 1
+        return self.calls_seen, self.rank_at_init
+
+
+class DeviceClashExtension:
+    def device(self) -> str:  # the worker sets self.device on its instance
+        return "mine"
+
+
+async def test_a_worker_extension_init_runs_once_with_the_worker_set_up(make_engine, llama_ckpt: Path) -> None:
+    async with make_engine(llama_ckpt, parallel={"worker_extension_cls": StatefulExtension}) as engine:
+        assert await engine.collective_rpc("count_call") == [(1, 0)]
+        assert await engine.collective_rpc("count_call") == [(2, 0)]
+
+
+async def test_an_extension_name_the_worker_sets_on_its_instance_is_refused_at_start(
+    make_engine, llama_ckpt: Path
+) -> None:
+    from aioengine.errors import ConfigurationError
+
+    engine = make_engine(llama_ckpt, parallel={"worker_extension_cls": DeviceClashExtension})
+    with pytest.raises(ConfigurationError, match=r"\['device'\].*sets on its instance"):
+        await engine.start()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from aioengine.errors import AIOEngineError
+from aioengine.errors import AIOEngineError, ConfigurationError
 from aioengine.worker.base import WorkerBase
 
 
@@ -29,17 +29,36 @@ def resolve_obj_by_qualname(qualname: str | type) -> type:
 
 def with_extension(worker_cls: type, extension_cls: type) -> type:
     """A NEW subclass mixing ``extension_cls`` into ``worker_cls``; neither class is modified."""
-    own = {name for c in extension_cls.__mro__ if c is not object for name in vars(c)}  # composed mixins too
+    # The extension's own names, composed mixins included, against everything the worker class has.
     clashes = sorted(
-        name
-        for name in own
-        if not (name.startswith("__") and name.endswith("__")) and any(hasattr(c, name) for c in worker_cls.__mro__)
+        name for name in _extension_names(extension_cls) if any(hasattr(c, name) for c in worker_cls.__mro__)
     )
     if clashes:
-        raise AIOEngineError(
+        raise ConfigurationError(
             f"worker extension {extension_cls.__qualname__} redefines worker attribute(s) {clashes}; rename them"
         )
     return type(f"{worker_cls.__name__}With{extension_cls.__name__}", (worker_cls, extension_cls), {})
+
+
+def _extension_names(extension_cls: type) -> set[str]:
+    return {
+        name
+        for c in extension_cls.__mro__
+        if c is not object
+        for name in vars(c)
+        if not (name.startswith("__") and name.endswith("__"))
+    }
+
+
+def check_instance_clashes(worker: object, extension_cls: type) -> None:
+    """An extension name that the worker sets on its instance (``device``, ``config``, ...) would be
+    shadowed by it: an error at start-up, not a ``TypeError`` at the first call."""
+    shadowed = sorted(_extension_names(extension_cls) & set(vars(worker)))
+    if shadowed:
+        raise ConfigurationError(
+            f"worker extension {extension_cls.__qualname__} defines {shadowed}, which the worker sets on its "
+            "instance (so the extension's would never be reached); rename them"
+        )
 
 
 def _auto_worker_cls(config: Any, local_rank: int) -> str | type:
@@ -63,9 +82,13 @@ class WorkerWrapper:
     def init_worker(self, config: Any, local_rank: int = 0) -> None:
         worker_cls = resolve_obj_by_qualname(_auto_worker_cls(config, local_rank))
         extension = config.parallel.worker_extension_cls
-        if extension is not None:
-            worker_cls = with_extension(worker_cls, resolve_obj_by_qualname(extension))
-        self.worker = worker_cls(config, rank=self.rank, local_rank=local_rank, is_driver_worker=self.rank == 0)
+        extension_cls = resolve_obj_by_qualname(extension) if extension is not None else None
+        if extension_cls is not None:
+            worker_cls = with_extension(worker_cls, extension_cls)
+        worker = worker_cls(config, rank=self.rank, local_rank=local_rank, is_driver_worker=self.rank == 0)
+        if extension_cls is not None:
+            check_instance_clashes(worker, extension_cls)
+        self.worker = worker
 
     def __getattr__(self, name: str) -> Any:
         worker = self.__dict__.get("worker")
