@@ -53,5 +53,7 @@ class EngineNotStartedError(AIOEngineError, RuntimeError):
     """The engine was used before ``start()`` (or ``async with``)."""
 
 
-class RequestAbortedError(AIOEngineError):
-    """Raised inside a consumer whose request failed because the engine died mid-generation."""
+class RequestAbortedError(EngineDeadError):
+    """Raised inside the consumer of a request that was in flight when the engine died or was shut
+    down; names the request, and its cause is the engine's error. (A request aborted on purpose, by
+    ``abort()`` or an abort mode, ends normally with ``finish_reason == "abort"`` instead.)"""

@@ -181,3 +181,20 @@ async def test_an_extension_name_the_worker_sets_on_its_instance_is_refused_at_s
     engine = make_engine(llama_ckpt, parallel={"worker_extension_cls": DeviceClashExtension})
     with pytest.raises(ConfigurationError, match=r"\['device'\].*sets on its instance"):
         await engine.start()
+
+
+async def test_requests_in_flight_at_shutdown_end_with_request_aborted_error_naming_them(llama_ckpt: Path) -> None:
+    from aioengine.errors import RequestAbortedError
+
+    engine = AsyncEngine(engine_config(llama_ckpt))
+    await engine.start()
+    params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    streams = [asyncio.ensure_future(final(engine, [5, 6, 7 + i], params, request_id=f"r{i}")) for i in range(3)]
+    async with asyncio.timeout(TIMEOUT):
+        while engine.stats().requests_running < 3:
+            await asyncio.sleep(0.001)
+    await engine.shutdown()
+    for i, stream in enumerate(streams):
+        with pytest.raises(RequestAbortedError, match=f"'r{i}' did not finish: engine was shut down") as err:
+            await stream
+        assert isinstance(err.value, EngineDeadError)

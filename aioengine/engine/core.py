@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 
 from aioengine.engine.outputs import IncrementalDetokenizer, OutputCollector, RequestOutput
 from aioengine.engine.state import MemoryState
-from aioengine.errors import EngineDeadError, EngineStateError
+from aioengine.errors import EngineDeadError, EngineStateError, RequestAbortedError
 from aioengine.executor.base import Executor
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput, WorkerWeightsReport
 from aioengine.scheduler.request import Request, RequestStatus
@@ -340,8 +340,10 @@ class EngineCore:
         if self.dead is None:
             self.dead = error
         error.__cause__ = cause
-        for collector in self.collectors.values():
-            collector.put(error)
+        for req_id, collector in self.collectors.items():
+            aborted = RequestAbortedError(f"request {req_id!r} did not finish: {error}")
+            aborted.__cause__ = error
+            collector.put(aborted)
         self.collectors.clear()
         self.detokenizers.clear()
         self.held.clear()
