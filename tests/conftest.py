@@ -15,6 +15,9 @@ from aioengine import AsyncEngine, EngineConfig
 from aioengine.model import cpu_kernels
 from aioengine.testing import build_checkpoint
 
+pytest_plugins = ["tests.engine_request_support", "tests.weight_swap_support"]
+"""Fixtures shared by a group of test modules (request tests; weight-swap tests), defined beside their helpers."""
+
 # Two cores on CI: more torch threads than cores only adds contention.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -1,6 +1,7 @@
 """Shared set-up of the request tests: helpers and checkpoints built to provoke EOS and undecodable ids.
 
-Imported with * by the test modules, so the fixtures here are theirs too."""
+The fixtures here reach every test module through ``pytest_plugins`` in conftest.py; the modules import
+the constants and helpers they use by name."""
 
 from __future__ import annotations
 
@@ -26,8 +27,6 @@ def greedy(max_tokens: int, **kwargs: Any) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
 
 
-
-
 def decoded(tokenizer: Any, token_ids: list[int]) -> str:
     """What the tokenizer alone makes of the ids it knows (the model's vocab is larger)."""
     return tokenizer.decode([t for t in token_ids if t < len(tokenizer)], skip_special_tokens=True)
@@ -47,7 +46,7 @@ def assert_deltas_build_the_text(outputs: list[RequestOutput]) -> None:
         streamed += out.delta_text
         assert text.startswith(streamed), f"streamed {streamed!r} is not a prefix of final text {text!r}"
     assert streamed == text
-    assert sum((out.delta_token_ids for out in outputs), []) == outputs[-1].token_ids
+    assert [t for out in outputs for t in out.delta_token_ids] == outputs[-1].token_ids
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +92,3 @@ def undecodable_ckpt(llama_ckpt: Path, tokenizer: Any, tmp_path_factory: pytest.
         tensors["lm_head.weight"][len(tokenizer) :] *= 3.0
 
     return edited_checkpoint(llama_ckpt, tmp_path_factory.mktemp("undecodable") / "llama", edit)
-
-
-# --- seeded sampling --------------------------------------------------------------------------

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from aioengine import AsyncEngine, RequestOutput
+from aioengine import AsyncEngine, EngineStats, RequestOutput
 
 TIMEOUT = 60.0
 """Seconds any single await on the engine may take: a hung stream fails its test, not the run."""
@@ -16,8 +16,8 @@ async def last_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     """Consumes a generate() stream (engine or pool) and returns its final output."""
     out = None
     async with asyncio.timeout(TIMEOUT):
-        async for out in stream:
-            pass
+        async for item in stream:
+            out = item
     assert out is not None, "the stream yielded nothing"
     return out
 
@@ -31,21 +31,34 @@ async def final(engine: AsyncEngine, prompt: Any, params: Any, request_id: str |
     return await last_output(engine.generate(prompt, params, request_id=request_id))
 
 
-async def wait_until_idle(engine: AsyncEngine, timeout: float = 5.0) -> dict[str, Any]:
-    """Polls stats until no request holds a block or a queue slot; fails after ``timeout``."""
+async def wait_until(
+    condition: Callable[[], bool], what: str, timeout: float = TIMEOUT, state: Callable[[], object] | None = None
+) -> None:
+    """Returns once ``condition()`` holds; fails naming ``what`` (and ``state()``) after ``timeout`` seconds.
+
+    The way a test waits for the engine to reach a state (its stats, an output, a flag): it polls,
+    yielding gently between tries (the worker thread needs the GIL), never trusting a fixed sleep.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while True:
-        stats = engine.stats()
-        if (
-            stats.kv_blocks_free == stats.kv_blocks_total
-            and stats.requests_running == 0
-            and stats.requests_waiting == 0
-        ):
-            return stats
+    while not condition():
         if loop.time() > deadline:
-            raise AssertionError(f"engine still holds a request {timeout}s later: {stats}")
-        await asyncio.sleep(0.01)
+            raise AssertionError(f"still not {what} after {timeout}s" + (f": {state()}" if state else ""))
+        await asyncio.sleep(0.001)
+
+
+async def wait_until_idle(engine: AsyncEngine, timeout: float = 5.0) -> EngineStats:
+    """Polls stats until no request holds a block or a queue slot; fails after ``timeout``."""
+
+    def idle() -> bool:
+        stats = engine.stats()
+        return (
+            stats.kv_blocks_free == stats.kv_blocks_total
+            and stats.requests_running == stats.requests_waiting == stats.requests_held == 0
+        )
+
+    await wait_until(idle, "idle: a request still holds a block or a queue slot", timeout, engine.stats)
+    return engine.stats()
 
 
 def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int | list[int]) -> list[list[int]]:

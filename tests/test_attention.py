@@ -59,11 +59,14 @@ def build_step(
         length = start + num_new
         nb = -(-length // BLOCK_SIZE)
         seqs.append(
-            Seq(start, num_new,
+            Seq(
+                start,
+                num_new,
                 torch.randn(length, HEADS, DIM, generator=gen),
                 torch.randn(length, KV_HEADS, DIM, generator=gen),
                 torch.randn(length, KV_HEADS, DIM, generator=gen),
-                [free.pop() for _ in range(nb)])  # fmt: skip
+                [free.pop() for _ in range(nb)],
+            )
         )
     cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, DIM, generator=gen)
     flat = cache.view(2, NUM_BLOCKS * BLOCK_SIZE, KV_HEADS, DIM)
@@ -103,7 +106,7 @@ def test_mixed_batch_equals_dense_causal_attention() -> None:
 
 
 def test_step_kv_lands_at_slot_mapping_and_nowhere_else() -> None:
-    seqs, q, k, v, cache, meta = build_step()
+    _, q, k, v, cache, meta = build_step()
     before = cache.clone()
     paged_attention(q, k, v, cache, meta, SCALE)
 

@@ -62,7 +62,9 @@ def test_swap_out_copies_chosen_blocks_to_host_and_nothing_else() -> None:
 
     cache.swap_out({3: 0, 7: 5})
 
-    for layer, (dev, host, dev0, host0) in enumerate(zip(cache.device_cache, cache.host_cache, device_before, host_before)):
+    for layer, (dev, host, dev0, host0) in enumerate(
+        zip(cache.device_cache, cache.host_cache, device_before, host_before, strict=True)
+    ):
         assert torch.equal(host[:, 0], dev0[:, 3]), layer
         assert torch.equal(host[:, 5], dev0[:, 7]), layer
         assert torch.equal(host[:, 1:5], host0[:, 1:5]), layer
@@ -78,7 +80,7 @@ def test_swap_out_then_swap_in_round_trips_blocks() -> None:
         layer[:, [3, 7]] = -1.0
     cache.swap_in({0: 1, 5: 8})
 
-    for layer, (dev, dev0) in enumerate(zip(cache.device_cache, original)):
+    for layer, (dev, dev0) in enumerate(zip(cache.device_cache, original, strict=True)):
         assert torch.equal(dev[:, 1], dev0[:, 3]), layer
         assert torch.equal(dev[:, 8], dev0[:, 7]), layer
         untouched = [b for b in range(10) if b not in (1, 3, 7, 8)]
@@ -91,7 +93,7 @@ def test_copy_copies_a_block_to_every_destination_in_every_layer() -> None:
 
     cache.copy({2: [5, 9], 4: [0]})
 
-    for layer, (dev, dev0) in enumerate(zip(cache.device_cache, before)):
+    for layer, (dev, dev0) in enumerate(zip(cache.device_cache, before, strict=True)):
         assert torch.equal(dev[:, 5], dev0[:, 2]), layer
         assert torch.equal(dev[:, 9], dev0[:, 2]), layer
         assert torch.equal(dev[:, 0], dev0[:, 4]), layer
@@ -112,4 +114,4 @@ def test_empty_block_maps_are_a_no_op() -> None:
     cache.swap_in({})
     cache.swap_out({})
     cache.copy({})
-    assert all(torch.equal(a, b) for a, b in zip(cache.device_cache, before))
+    assert all(torch.equal(a, b) for a, b in zip(cache.device_cache, before, strict=True))

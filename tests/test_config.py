@@ -66,9 +66,7 @@ def test_kwargs_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert EngineConfig(cache={"block_size": 128}).cache.block_size == 128
 
 
-def test_from_toml_overrides_beat_environment_and_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_from_toml_overrides_beat_environment_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_toml(tmp_path, "[cache]\nblock_size = 32\n")
     monkeypatch.setenv("AIOENGINE_CACHE__BLOCK_SIZE", "64")
     assert EngineConfig.from_toml(path, cache={"block_size": 128}).cache.block_size == 128

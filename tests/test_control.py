@@ -21,7 +21,7 @@ from aioengine import AsyncEngine, SamplingParams
 from aioengine.errors import CheckpointError, WeightsLostError
 from aioengine.testing import build_checkpoint
 from tests.conftest import engine_config
-from tests.helpers import TIMEOUT, final, hf_generate
+from tests.helpers import final, hf_generate, wait_until
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 99, 17, 23]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -48,14 +48,6 @@ def calls_started(worker: Any, method: str, started: list[str]) -> None:
         return original(*args, **kwargs)
 
     setattr(worker, method, recorded)
-
-
-async def until(condition: Any, what: str) -> None:
-    """Waits (yielding to the loop) until ``condition()`` holds; fails after TIMEOUT."""
-    async with asyncio.timeout(TIMEOUT):
-        while not condition():
-            await asyncio.sleep(0.001)
-    assert condition(), what
 
 
 async def tokens(engine: AsyncEngine) -> list[list[int]]:
@@ -95,7 +87,7 @@ async def test_a_sleep_whose_caller_times_out_completes_and_the_engine_stays_who
     await engine.collective_rpc(slow_down, args=("sleep", 0.5))
     await engine.collective_rpc(calls_started, args=("sleep", started))
     sleeping = asyncio.ensure_future(engine.sleep(level=1))
-    await until(lambda: started == ["sleep"], "the worker's sleep began")
+    await wait_until(lambda: started == ["sleep"], "the worker's sleep began")
     sleeping.cancel()  # as asyncio.wait_for does on timeout, with the worker mid-sleep
     with pytest.raises(asyncio.CancelledError):
         await sleeping
@@ -127,7 +119,7 @@ async def test_cancelling_an_update_in_its_worker_call_still_swaps_and_counts_th
     await engine.collective_rpc(slow_down, args=("update_weights", 0.3))
     await engine.collective_rpc(calls_started, args=("update_weights", started))
     update = asyncio.ensure_future(engine.update_weights(ckpt_b))
-    await until(lambda: started == ["update_weights"], "the worker's update began")
+    await wait_until(lambda: started == ["update_weights"], "the worker's update began")
     update.cancel()
     with pytest.raises(asyncio.CancelledError):
         await update
@@ -140,11 +132,11 @@ async def test_cancelling_a_sleep_while_it_drains_leaves_the_engine_awake_and_lo
     engine: AsyncEngine, reference: dict[str, list[list[int]]]
 ) -> None:
     long = asyncio.ensure_future(final(engine, PROMPTS[1], SamplingParams(max_tokens=60, temperature=0)))
-    await until(lambda: engine.stats().requests_running == 1, "the long request runs")
+    await wait_until(lambda: engine.stats().requests_running == 1, "the long request runs")
     sleeping = asyncio.ensure_future(engine.sleep(level=1, mode="wait"))
-    await until(lambda: engine.stats().draining, "the sleep drains")
+    await wait_until(lambda: engine.stats().draining, "the sleep drains")
     held = asyncio.ensure_future(final(engine, PROMPTS[0], GREEDY))
-    await until(lambda: engine.stats().requests_held == 1, "a request that arrives during the drain is held")
+    await wait_until(lambda: engine.stats().requests_held == 1, "a request that arrives during the drain is held")
     sleeping.cancel()
     with pytest.raises(asyncio.CancelledError):
         await sleeping
@@ -278,7 +270,7 @@ async def test_a_shard_that_vanishes_mid_update_leaves_the_engine_refusing_to_se
         await engine.update_weights(sharded_b)
     assert engine.stats().weights_valid is False
     waiting = asyncio.ensure_future(final(engine, PROMPTS[0], GREEDY))
-    await until(lambda: engine.stats().requests_waiting == 1, "the request is queued")
+    await wait_until(lambda: engine.stats().requests_waiting == 1, "the request is queued")
     assert not waiting.done()
     monkeypatch.setattr(weights, "iter_safetensors", real)
     await engine.update_weights(llama_ckpt)  # a full write: serving again, on A

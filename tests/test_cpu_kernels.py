@@ -29,7 +29,7 @@ from aioengine.sampling.params import SamplingParams
 from aioengine.worker.model_runner import ModelRunner
 from tests.conftest import engine_config
 from tests.helpers import final, hf_generate
-from tests.weight_swap_support import ckpt_b, hf_model  # noqa: F401 - ckpt_b is a fixture
+from tests.weight_swap_support import hf_model
 
 OFF = {"cpu_kernels": False, "cpu_weight_prepack": False}
 PROMPTS = [torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -39,10 +39,6 @@ NEW_TOKENS = 20
 
 
 # ---- the paged decode attention kernel ---------------------------------------------------------------
-def test_kernel_builds_wherever_its_tools_are_present(kernel: ModuleType) -> None:
-    assert callable(kernel.paged_decode_attention)
-
-
 def decode_rows(heads: int, kv_heads: int, dim: int, block_size: int, lengths: list[int],
                 seed: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
     """Decode rows of the given context lengths. Every row's table is full width, of distinct shuffled
@@ -68,6 +64,14 @@ def kernel_decode(kernel: ModuleType, q: torch.Tensor, kv_cache: torch.Tensor, b
     out = torch.full_like(q, float("nan"))  # every element must be written
     kernel.paged_decode_attention(q, kv_cache, block_tables, context_lens, scale, out)
     return out
+
+
+def test_kernel_builds_wherever_its_tools_are_present_and_computes_what_torch_does(kernel: ModuleType) -> None:
+    # The smallest useful call of each kernel: two decode rows over blocks of 4, a 2 x 5 argmax.
+    inputs = decode_rows(heads=2, kv_heads=1, dim=8, block_size=4, lengths=[1, 6])
+    torch.testing.assert_close(kernel_decode(kernel, **inputs), torch_decode(**inputs), atol=1e-5, rtol=1e-5)
+    x = torch.tensor([[0.5, 2.0, -1.0, 2.0, 0.0], [-3.0, -2.0, -2.5, -4.0, -2.0]])
+    assert kernel.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == [1, 1]  # the first maximum
 
 
 @pytest.mark.parametrize("block_size", [16, 1, 4])
@@ -112,8 +116,13 @@ def argmax_cases() -> dict[str, torch.Tensor]:
     masked = torch.randn(3, 1001, generator=g)  # not a multiple of the kernel's 16 lanes
     masked[0] = float("-inf")  # min_tokens can mask a whole row
     masked[1, :-1] = float("-inf")  # the maximum in the unrolled loop's tail
-    return {"random": torch.randn(64, 32000, generator=g), "ties": ties, "masked": masked,
-            "one column": torch.randn(4, 1, generator=g), "strided": torch.randn(6, 300, generator=g)[:, ::3]}  # fmt: skip
+    return {
+        "random": torch.randn(64, 32000, generator=g),
+        "ties": ties,
+        "masked": masked,
+        "one column": torch.randn(4, 1, generator=g),
+        "strided": torch.randn(6, 300, generator=g)[:, ::3],
+    }
 
 
 @pytest.mark.parametrize("case", list(argmax_cases()))
@@ -264,7 +273,7 @@ async def test_engine_without_a_kernel_build_serves_on_the_torch_path(
 
 async def test_update_weights_with_packed_weights_gives_the_new_checkpoints_tokens(
     kernel: ModuleType, make_engine: Callable[..., AsyncEngine], llama_ckpt: Path,
-    ckpt_b: Path,  # noqa: F811 - the fixture
+    ckpt_b: Path,
 ) -> None:  # fmt: skip
     async with make_engine(ckpt_b, device=OFF) as fresh:
         want = await greedy(fresh)

@@ -37,8 +37,11 @@ async def test_cuda_graphs_are_captured_and_match_hf(llama_ckpt: Path) -> None:
     hf = AutoModelForCausalLM.from_pretrained(llama_ckpt, dtype=torch.float32).cuda().eval()
     refs = hf_generate(hf, prompts, GREEDY.max_tokens)
     async with AsyncEngine(_cuda_config(llama_ckpt)) as engine:
-        runner = engine.executor.wrappers[0].worker.model_runner  # type: ignore[union-attr]
-        assert runner.decode_runner is not None and runner.decode_runner.graphs
+        captured = await engine.collective_rpc(
+            lambda w: w.model_runner.decode_runner is not None and bool(w.model_runner.decode_runner.graphs),
+            unique_reply_rank=0,
+        )
+        assert captured
         assert await _run(engine, prompts) == refs
 
 
@@ -66,3 +69,19 @@ async def test_shutdown_gives_device_memory_back(llama_ckpt: Path) -> None:
     assert torch.cuda.mem_get_info()[0] < free_before
     await engine.shutdown()
     assert torch.cuda.mem_get_info()[0] >= free_before - (64 << 20)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+async def test_torch_memory_saver_sleep_and_wake_keep_greedy_outputs(llama_ckpt: Path, level: int) -> None:
+    pytest.importorskip("torch_memory_saver")
+    prompts = _prompts(6)
+    async with AsyncEngine(_cuda_config(llama_ckpt, sleep={"backend": "torch_memory_saver"})) as engine:
+        backend = await engine.collective_rpc(lambda w: type(w.sleep_backend).__name__, unique_reply_rank=0)
+        assert backend == "TorchMemorySaverBackend"
+        before = await _run(engine, prompts)
+        report = await engine.sleep(level=level)
+        assert report.freed_bytes.weights > 0 and report.freed_bytes.kv_cache > 0
+        await engine.wake_up()
+        if level == 2:
+            await engine.reload_weights()
+        assert await _run(engine, prompts) == before

@@ -14,13 +14,14 @@ from pydantic import ValidationError
 from aioengine import AsyncEngine, RequestOutput, SamplingParams
 from aioengine.engine.outputs import IncrementalDetokenizer
 from aioengine.errors import InvalidRequestError, RequestTooLargeError
+from tests.engine_request_support import (
+    PROMPT,
+    assert_deltas_build_the_text,
+    assert_text_is_the_decoded_ids,
+    decoded,
+    greedy,
+)
 from tests.helpers import TIMEOUT, final, stream, wait_until_idle
-
-PROMPT = "The quick brown fox"
-SEEDED = {"temperature": 0.8, "top_p": 0.9, "ignore_eos": True}
-LONG = 2000
-"""max_tokens of a request that must be ended early: it could not finish by itself within a test."""
-from tests.engine_request_support import *  # noqa: F403 - helpers and fixtures of these tests
 
 
 async def refused_while_another_runs(
@@ -106,9 +107,7 @@ async def test_a_request_id_already_in_flight_is_refused(llama_engine):
     [({"temperature": -1.0}, "temperature"), ({"max_tokens": 0}, "max_tokens"), ({"bogus": 1}, "bogus")],
 )
 async def test_bad_sampling_params_are_refused_naming_the_field(llama_engine, params, field):
-    await refused_while_another_runs(
-        llama_engine, lambda: final(llama_engine, PROMPT, params), ValidationError, field
-    )
+    await refused_while_another_runs(llama_engine, lambda: final(llama_engine, PROMPT, params), ValidationError, field)
 
 
 # --- text -------------------------------------------------------------------------------------
@@ -139,7 +138,7 @@ SCRIPTS = [
     "Привет, как дела?",
     "emoji 🤖🚀🎉 and",
     "naïve café, crème brûlée",
-    "中文文本：你好，世界！",
+    "中文文本：你好，世界！",  # noqa: RUF001 - fullwidth punctuation on purpose: multi-byte characters
 ]
 
 
@@ -158,8 +157,10 @@ async def test_streamed_text_never_breaks_a_multibyte_character(llama_engine, to
     # A character whose bytes span two tokens must be held back until it is whole: were half of
     # it streamed as "\ufffd", the streamed text would stop being a prefix of the decoded ids.
     runs = await asyncio.gather(
-        *(stream(llama_engine, p, SamplingParams(temperature=1.0, seed=100 + i, max_tokens=32, ignore_eos=True))
-          for i, p in enumerate(SCRIPTS))  # fmt: skip
+        *(
+            stream(llama_engine, p, SamplingParams(temperature=1.0, seed=100 + i, max_tokens=32, ignore_eos=True))
+            for i, p in enumerate(SCRIPTS)
+        )
     )
     for outputs in runs:
         assert_deltas_build_the_text(outputs)

@@ -13,13 +13,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from aioengine import AsyncEngine, RequestOutput, SamplingParams
-from tests.helpers import TIMEOUT, final, stream, wait_until_idle
-
-PROMPT = "The quick brown fox"
-SEEDED = {"temperature": 0.8, "top_p": 0.9, "ignore_eos": True}
-LONG = 2000
-"""max_tokens of a request that must be ended early: it could not finish by itself within a test."""
-from tests.engine_request_support import *  # noqa: F403 - helpers and fixtures of these tests
+from tests.engine_request_support import LONG, PROMPT, SEEDED, assert_deltas_build_the_text, decoded, greedy
+from tests.helpers import TIMEOUT, final, stream, wait_until, wait_until_idle
 
 
 async def test_same_seed_gives_the_same_tokens_in_two_engine_runs(llama_ckpt, make_engine):
@@ -71,9 +66,7 @@ async def test_seeded_tokens_do_not_depend_on_the_batch(llama_engine):
     # Submitted last, while the neighbours are already decoding.
     baseline = llama_engine.stats().num_generated_tokens
     others = [asyncio.create_task(final(llama_engine, p, sp)) for p, sp in other_requests()]
-    async with asyncio.timeout(30):
-        while llama_engine.stats().num_generated_tokens < baseline + len(others):
-            await asyncio.sleep(0.005)
+    await wait_until(lambda: llama_engine.stats().num_generated_tokens >= baseline + len(others), "neighbours decoding")
     joined = await final(llama_engine, PROMPT, params)
     await asyncio.gather(*others)
 
@@ -249,4 +242,50 @@ async def test_engine_serves_normally_after_an_abort(llama_engine):
     assert again.token_ids == reference.token_ids
 
 
-# --- refused at submit ------------------------------------------------------------------------
+# --- a slow consumer --------------------------------------------------------------------------
+async def test_a_slow_consumer_gets_merged_outputs_and_loses_nothing(llama_engine):
+    # The consumer reads an output only once the engine generated 3 more tokens (or finished): the
+    # engine must not wait for it, and the outputs it finally reads must add up to the whole request.
+    params = greedy(24, ignore_eos=True)
+    reference = await final(llama_engine, PROMPT, params)
+    outputs: list[RequestOutput] = []
+    agen = llama_engine.generate(PROMPT, params)
+    async with asyncio.timeout(TIMEOUT):
+        while not (outputs and outputs[-1].finished):
+            generated = llama_engine.stats().num_generated_tokens
+
+            def moved_on(generated: int = generated) -> bool:
+                stats = llama_engine.stats()
+                done = stats.requests_running == stats.requests_waiting == 0  # (or not started yet)
+                return done or stats.num_generated_tokens >= generated + 3
+
+            await wait_until(moved_on, "3 more tokens generated while the consumer waits")
+            outputs.append(await anext(agen))
+    await agen.aclose()
+    last = outputs[-1]
+    assert last.token_ids == reference.token_ids and last.text == reference.text
+    assert [t for o in outputs for t in o.delta_token_ids] == last.token_ids
+    assert "".join(o.delta_text for o in outputs) == last.text
+    assert len(outputs) < len(last.token_ids), "a lagging consumer's outputs are merged, not queued"
+    assert max(len(o.delta_token_ids) for o in outputs) >= 3
+    await wait_until_idle(llama_engine)
+
+
+def test_a_lagging_stream_never_merges_outputs_computed_with_different_weights() -> None:
+    from aioengine.engine.outputs import OutputCollector, RequestOutput
+
+    def out(tokens: list[int], version: int) -> RequestOutput:
+        return RequestOutput("r", [1], tokens, "", "", tokens, False, weights_version=version)
+
+    collector = OutputCollector()
+    collector.put(out([10], 0))
+    collector.put(out([11], 0))  # same weights: merged
+    collector.put(out([12], 1))  # new weights: kept apart
+    got = []
+
+    async def read() -> None:
+        for _ in range(2):
+            got.append(await collector.get())
+
+    asyncio.run(read())
+    assert [(o.delta_token_ids, o.weights_version) for o in got] == [([10, 11], 0), ([12], 1)]

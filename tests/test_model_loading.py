@@ -7,6 +7,7 @@ import os
 import pickle
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from aioengine.errors import CheckpointError, UnsupportedModelError
 from aioengine.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
-from aioengine.model.loader import load_hf_config, load_model, resolve_dtype
+from aioengine.model.loader import load_hf_config, load_model, resolve_dtype, resolve_max_model_len
 from aioengine.testing import build_checkpoint
 
 
@@ -82,7 +83,7 @@ def test_directory_without_config_json_is_refused(llama_ckpt: Path, tmp_path: Pa
     path = copy_ckpt(llama_ckpt, tmp_path / "ckpt")
     (path / "config.json").unlink()
 
-    with pytest.raises(CheckpointError, match="config.json"):
+    with pytest.raises(CheckpointError, match=r"config\.json"):
         load_hf_config(path)
 
 
@@ -213,3 +214,25 @@ def test_qwen2_tied_embeddings_share_storage(qwen2_ckpt: Path) -> None:
     stored = load_file(str(qwen2_ckpt / "model.safetensors"))
     assert "lm_head.weight" not in stored  # the checkpoint really is tied: only the embedding is stored
     assert torch.equal(head, stored["model.embed_tokens.weight"])
+
+
+# --- max_model_len -----------------------------------------------------------------------------
+# Sliding-window attention is not implemented: within the window it equals full attention, so a
+# model that slides is served up to its window, never beyond.
+def test_a_sliding_window_smaller_than_the_positions_caps_max_model_len_to_the_window() -> None:
+    config = SimpleNamespace(max_position_embeddings=4096, sliding_window=1024, use_sliding_window=True)
+    assert resolve_max_model_len(config, None) == 1024
+    assert resolve_max_model_len(config, 2048) == 1024  # a requested length beyond the window too
+    assert resolve_max_model_len(config, 512) == 512  # within the window: as requested
+
+
+def test_a_sliding_window_caps_max_model_len_in_a_config_without_use_sliding_window() -> None:
+    from transformers import MistralConfig  # Mistral configs have sliding_window only: it is on
+
+    assert resolve_max_model_len(MistralConfig(max_position_embeddings=4096, sliding_window=256), None) == 256
+
+
+def test_a_sliding_window_that_is_switched_off_does_not_cap_max_model_len() -> None:
+    config = SimpleNamespace(max_position_embeddings=4096, sliding_window=1024, use_sliding_window=False)
+    assert resolve_max_model_len(config, None) == 4096
+    assert resolve_max_model_len(SimpleNamespace(max_position_embeddings=4096, sliding_window=None), None) == 4096

@@ -71,7 +71,7 @@ async def engine_greedy(engine: AsyncEngine, prompts: list[list[int]], new_token
 
 def assert_same_tokens(got: list[list[int]], want: list[list[int]]) -> None:
     assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert len(w) == NEW_TOKENS, f"HF gave {len(w)} tokens for prompt {i}"
         assert g == w, f"prompt {i} ({len(PROMPTS[i])} tokens): engine {g} != HF {w}"
 

@@ -11,7 +11,7 @@ import pytest
 from aioengine import AsyncEngine, EnginePool, SamplingParams
 from aioengine.errors import ConfigurationError
 from tests.conftest import engine_config
-from tests.helpers import TIMEOUT, last_output
+from tests.helpers import last_output, wait_until
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
@@ -20,12 +20,6 @@ PROMPT = [5, 6, 7, 8]
 
 def configs(path: Path, names: str) -> dict[str, object]:
     return {name: engine_config(path, cache={"num_blocks": 64}) for name in names}
-
-
-async def until(condition, what: str) -> None:  # type: ignore[no-untyped-def]
-    async with asyncio.timeout(TIMEOUT):
-        while not condition():
-            await asyncio.sleep(0.001)
 
 
 async def reference(path: Path) -> list[int]:
@@ -46,7 +40,7 @@ async def test_an_idle_engine_is_put_to_sleep_before_a_busy_one(llama_ckpt: Path
         await last_output(pool.generate("a", PROMPT, GREEDY))
         await last_output(pool.generate("b", PROMPT, GREEDY))  # b is now the most recently used
         busy = asyncio.ensure_future(last_output(pool.generate("a", PROMPT, LONG)))
-        await until(lambda: pool.stats().active["a"] == 1, "a is busy")
+        await wait_until(lambda: pool.stats().active["a"] == 1, "a is busy")
         await last_output(pool.generate("c", PROMPT, GREEDY))
         assert sorted(pool.awake_models()) == ["a", "c"], "the idle b went to sleep, not the busy a"
         assert len((await busy).token_ids) == LONG.max_tokens  # never interrupted
@@ -59,9 +53,9 @@ async def test_a_request_to_an_awake_model_does_not_wait_for_a_switch_draining_a
         await last_output(pool.generate("b", PROMPT, GREEDY))
         busy_a = asyncio.ensure_future(last_output(pool.generate("a", PROMPT, LONG)))
         busy_b = asyncio.ensure_future(last_output(pool.generate("b", PROMPT, LONG)))
-        await until(lambda: pool.stats().active == {"a": 1, "b": 1, "c": 0}, "a and b are busy")
+        await wait_until(lambda: pool.stats().active == {"a": 1, "b": 1, "c": 0}, "a and b are busy")
         switch = asyncio.ensure_future(last_output(pool.generate("c", PROMPT, GREEDY)))
-        await until(lambda: pool.tenants["a"].engine.stats().draining, "the switch drains a, the least recent")
+        await wait_until(lambda: pool.tenants["a"].engine.stats().draining, "the switch drains a, the least recent")
         out = await last_output(pool.generate("b", PROMPT, GREEDY))  # b is awake and stays so
         assert list(out.token_ids) == expected
         assert not switch.done(), "b's request finished while the switch was still draining a"
@@ -74,9 +68,9 @@ async def test_a_client_gone_during_a_switch_leaves_both_models_serving(llama_ck
     async with EnginePool(configs(llama_ckpt, "ab"), max_awake=1) as pool:  # type: ignore[arg-type]
         await last_output(pool.generate("a", PROMPT, GREEDY))
         busy = asyncio.ensure_future(last_output(pool.generate("a", PROMPT, SamplingParams(max_tokens=60))))
-        await until(lambda: pool.stats().active["a"] == 1, "a is busy")
+        await wait_until(lambda: pool.stats().active["a"] == 1, "a is busy")
         switching = asyncio.ensure_future(last_output(pool.generate("b", PROMPT, GREEDY)))
-        await until(lambda: pool.tenants["a"].engine.stats().draining, "the switch drains a")
+        await wait_until(lambda: pool.tenants["a"].engine.stats().draining, "the switch drains a")
         switching.cancel()  # the client disconnects while a is being put to sleep
         with pytest.raises(asyncio.CancelledError):
             await switching

@@ -50,9 +50,7 @@ def make_request(req_id: str, prompt_len: int, **params: object) -> Request:
     return Request(req_id, [10 + i % 50 for i in range(prompt_len)], SamplingParams(**params))  # type: ignore[arg-type]
 
 
-def step(
-    s: Scheduler, token: TokenFn = default_token
-) -> tuple[SchedulerOutput, list[RequestUpdate]]:
+def step(s: Scheduler, token: TokenFn = default_token) -> tuple[SchedulerOutput, list[RequestUpdate]]:
     """One schedule -> fake forward -> update, checking the invariants every step must keep."""
     sched = s.schedule()
     assert sched.num_tokens <= s.max_num_batched_tokens
@@ -69,9 +67,7 @@ def step(
     return sched, s.update_from_output(sched, out)
 
 
-def drive(
-    s: Scheduler, token: TokenFn = default_token, max_steps: int = 1000
-) -> list[SchedulerOutput]:
+def drive(s: Scheduler, token: TokenFn = default_token, max_steps: int = 1000) -> list[SchedulerOutput]:
     """Steps until every request finished; returns what each step scheduled."""
     history = []
     for _ in range(max_steps):
@@ -113,7 +109,7 @@ def test_chunked_prefill_splits_a_long_prompt_into_budget_sized_chunks():
     assert [len(c) for c in chunks] == [1, 1, 1, 1]
     assert [c[0].start_pos for c in chunks] == [0, 16, 32, 48]
     assert [len(c[0].token_ids) for c in chunks] == [16, 16, 16, 2]
-    assert sum((c[0].token_ids for c in chunks), []) == request.prompt_token_ids
+    assert [t for c in chunks for t in c[0].token_ids] == request.prompt_token_ids
 
 
 def test_chunked_prefill_samples_only_on_the_last_chunk():
@@ -194,7 +190,7 @@ def run_until_first_preemption(s: Scheduler) -> SchedulerOutput:
 
 
 def test_when_blocks_run_out_the_newest_running_request_is_preempted():
-    s, a, b, c = preemption_setup()
+    s, a, b, _ = preemption_setup()
     sched = run_until_first_preemption(s)
     assert [r.req_id for r in sched.requests] == ["a"], "the oldest request keeps going"
     assert a.status == RequestStatus.RUNNING
@@ -203,13 +199,13 @@ def test_when_blocks_run_out_the_newest_running_request_is_preempted():
 
 
 def test_a_preempted_request_goes_to_the_front_of_the_waiting_queue():
-    s, a, b, c = preemption_setup()
+    s, _, b, c = preemption_setup()
     run_until_first_preemption(s)
     assert list(s.waiting) == [b, c]
 
 
 def test_a_preempted_request_keeps_its_outputs_and_recomputes_them():
-    s, a, b, c = preemption_setup()
+    s, _, b, _ = preemption_setup()
     run_until_first_preemption(s)
     generated = list(b.output_token_ids)
     assert generated, "b had produced tokens before it was preempted"

@@ -23,15 +23,12 @@ from typing import Any
 import pytest
 from safetensors import safe_open
 
-from aioengine.messages import TagBytes
 from aioengine import AsyncEngine, RequestOutput, SamplingParams
 from aioengine.errors import EngineDeadError
+from aioengine.messages import TagBytes
 from aioengine.testing import build_checkpoint
+from tests.helpers import TIMEOUT, wait_until, wait_until_idle
 
-TIMEOUT = 60.0
-"""Seconds any single await on the engine may take: a hung stream fails its test, not the run."""
-QUIET = 0.3
-"""Seconds a request that must not run is watched for output (it may not progress at all)."""
 PROMPTS = ["The quick brown fox", "Once upon a time", "Sleep and wake", "0123456789", "hello hello hello"]
 MEMORY_BLOCKS = 8192
 """KV blocks of the level 1 memory test: 256 MiB with the ``big_ckpt`` shape, so the drop dominates noise."""
@@ -66,18 +63,30 @@ async def token_ids(
 
 
 async def outputs_arrived(sink: list[RequestOutput], count: int = 1) -> None:
-    """Returns once ``sink`` holds ``count`` outputs (polled gently: the worker thread needs the GIL)."""
-    async with asyncio.timeout(TIMEOUT):
-        while len(sink) < count:
-            await asyncio.sleep(0.001)
+    """Returns once ``sink`` holds ``count`` outputs."""
+    await wait_until(lambda: len(sink) >= count, f"{count} outputs streamed")
 
 
-async def assert_no_progress(engine: AsyncEngine, sink: list[RequestOutput]) -> None:
-    """Watches for ``QUIET`` seconds: neither an output nor an engine step may happen."""
+async def assert_queued_without_a_step(engine: AsyncEngine, sink: list[RequestOutput], queued: int = 1) -> None:
+    """The ``queued`` requests just sent are accepted and wait, and the engine, given every chance, runs no step.
+
+    A step the loop submitted would show: the RPC below runs behind it on the worker, and by the time
+    the RPC's reply reaches us the loop has counted that step (or died of it on a sleeping worker).
+    """
     steps = engine.stats().num_steps
-    await asyncio.sleep(QUIET)
+
+    def settled() -> bool:  # queued, or (a failure) already run or dead
+        stats = engine.stats()
+        return stats.requests_waiting == queued or bool(sink) or stats.dead
+
+    await wait_until(settled, f"{queued} requests queued", state=engine.stats)
+    await engine.collective_rpc(lambda worker: None)  # ordered behind every step submitted so far
+    for _ in range(3):
+        await asyncio.sleep(0)  # the loop takes in what came back
+    stats = engine.stats()
     assert sink == [], f"a request ran while the engine must not step: {sink[0]}"
-    assert engine.stats().num_steps == steps
+    assert (stats.num_steps, stats.requests_waiting, stats.requests_running) == (steps, queued, 0), stats
+    assert not stats.dead
 
 
 def rss_bytes() -> int:
@@ -192,7 +201,7 @@ async def test_a_half_awake_engine_runs_nothing_until_the_last_tag_wakes(engine:
     assert await engine.is_sleeping()
     sink: list[RequestOutput] = []
     task = asyncio.create_task(final(engine, PROMPTS[0], greedy(), sink))
-    await assert_no_progress(engine, sink)
+    await assert_queued_without_a_step(engine, sink)
     await engine.wake_up(tags=[order[1]])
     assert not await engine.is_sleeping()
     assert list((await task).token_ids) == expected[0]
@@ -217,7 +226,7 @@ async def test_after_level_2_a_woken_engine_refuses_to_run_until_weights_are_rel
     assert await engine.collective_rpc(lambda worker: worker.sleep_backend.weights_valid) == [False]
     sink: list[RequestOutput] = []
     task = asyncio.create_task(final(engine, PROMPTS[0], greedy(), sink))
-    await assert_no_progress(engine, sink)
+    await assert_queued_without_a_step(engine, sink)
     await engine.reload_weights()
     assert engine.stats().weights_valid is True
     assert list((await task).token_ids) == expected[0]
@@ -282,14 +291,16 @@ async def test_a_request_submitted_during_the_wait_drain_completes_after_wake(en
     in_flight = [asyncio.create_task(final(engine, p, greedy(40), first)) for p in PROMPTS]
     await outputs_arrived(first)
     sleeping = asyncio.create_task(engine.sleep(level=1, mode="wait"))
-    await asyncio.sleep(0)  # the sleep starts draining
+    await wait_until(lambda: engine.stats().draining or sleeping.done(), "draining")
     assert not sleeping.done() and not all(task.done() for task in in_flight), "the drain was already over"
     sink: list[RequestOutput] = []
     late = asyncio.create_task(final(engine, PROMPTS[0], greedy(), sink))
+    await wait_until(lambda: engine.stats().requests_held == 1 or sleeping.done(), "the late request held")
+    assert not sleeping.done(), "the drain was over before the late request came"
     async with asyncio.timeout(TIMEOUT):
         await sleeping
     assert all(task.done() for task in in_flight)
-    await assert_no_progress(engine, sink)
+    await assert_queued_without_a_step(engine, sink)
     await engine.wake_up()
     assert list((await late).token_ids) == expected[0]
 
@@ -299,20 +310,80 @@ async def test_requests_submitted_while_asleep_complete_after_wake(engine: Async
     await engine.sleep(level=1)
     sink: list[RequestOutput] = []
     tasks = [asyncio.create_task(final(engine, p, greedy(), sink)) for p in PROMPTS]
-    await assert_no_progress(engine, sink)
+    await assert_queued_without_a_step(engine, sink, queued=len(PROMPTS))
     await engine.wake_up()
     assert [list(o.token_ids) for o in await asyncio.gather(*tasks)] == expected
 
 
+async def test_a_request_held_by_the_wait_drain_can_be_aborted_and_never_runs(engine: AsyncEngine) -> None:
+    alone = await token_ids(engine, PROMPTS[:1], greedy())
+    expected = await token_ids(engine, PROMPTS, greedy(40))
+    first: list[RequestOutput] = []
+    in_flight = [asyncio.create_task(final(engine, p, greedy(40), first)) for p in PROMPTS]
+    await outputs_arrived(first)
+    sleeping = asyncio.create_task(engine.sleep(level=1, mode="wait"))
+    await wait_until(lambda: engine.stats().draining or sleeping.done(), "draining")
+    held: list[RequestOutput] = []
+
+    async def consume() -> None:
+        async for out in engine.generate(PROMPTS[0], greedy(), request_id="held"):
+            held.append(out)
+
+    late = asyncio.create_task(consume())
+    await wait_until(lambda: engine.stats().requests_held == 1 or sleeping.done(), "the new request held")
+    assert not sleeping.done(), "the drain was over before the new request came"
+    assert await engine.abort("held") is True
+    await asyncio.wait_for(late, TIMEOUT)
+    assert [(o.finished, o.finish_reason, o.token_ids) for o in held] == [(True, "abort", [])]
+    assert engine.stats().requests_held == 0
+    await asyncio.wait_for(sleeping, TIMEOUT)
+    assert [list(o.token_ids) for o in await asyncio.gather(*in_flight)] == expected
+    steps = engine.stats().num_steps
+    await engine.wake_up()
+    await engine.collective_rpc(lambda worker: None)  # behind any step the wake let the loop submit
+    await wait_until_idle(engine)
+    assert engine.stats().num_steps == steps, "the aborted request ran after the wake"
+    assert await token_ids(engine, PROMPTS[:1], greedy()) == alone  # and the engine serves as before
+
+
+def fail_sleep(worker: Any) -> None:
+    """The worker's sleep raises from now on (an instance attribute shadows the method)."""
+
+    def sleep(level: int = 1) -> None:
+        raise RuntimeError("injected sleep failure")
+
+    worker.sleep = sleep
+
+
+@pytest.mark.parametrize("mode", ["keep", "wait"])
+async def test_a_failed_sleep_changes_nothing_and_the_requests_in_flight_finish_as_if_uninterrupted(
+    engine: AsyncEngine, mode: str
+) -> None:
+    uninterrupted = await token_ids(engine, PROMPTS, greedy(40))
+    await engine.collective_rpc(fail_sleep)
+    sinks: list[list[RequestOutput]] = [[] for _ in PROMPTS]
+    tasks = [asyncio.create_task(final(engine, p, greedy(40), sink)) for p, sink in zip(PROMPTS, sinks, strict=True)]
+    await wait_until(lambda: all(sinks), "every request mid-generation")
+    with pytest.raises(RuntimeError, match="injected sleep failure"):
+        await engine.sleep(level=1, mode=mode)
+    assert not await engine.is_sleeping()
+    stats = engine.stats()
+    assert (stats.sleeping, stats.weights_valid, stats.draining, stats.dead) == ((), True, False, False), stats
+    assert await engine.collective_rpc(lambda worker: worker.is_sleeping()) == [[]]
+    assert [list(o.token_ids) for o in await asyncio.gather(*tasks)] == uninterrupted
+    assert await token_ids(engine, PROMPTS, greedy(40)) == uninterrupted  # and new requests run
+
+
 # ---- idempotence and safety ------------------------------------------------------------------------------
 async def test_sleep_while_asleep_is_a_no_op_that_says_so(engine: AsyncEngine) -> None:
+    expected = await token_ids(engine, PROMPTS[:1], greedy())
     await engine.sleep(level=1)
     report = await engine.sleep(level=2)
     assert report.freed_bytes == TagBytes(weights=0, kv_cache=0)
     assert any("already asleep" in note for note in report.notes), report.notes
     assert engine.stats().weights_valid is True  # still the level 1 sleep: nothing was discarded
     await engine.wake_up()
-    assert await token_ids(engine, PROMPTS[:1], greedy())
+    assert await token_ids(engine, PROMPTS[:1], greedy()) == expected  # the weights were kept
 
 
 async def test_wake_up_while_awake_is_a_no_op_that_says_so(engine: AsyncEngine) -> None:
@@ -338,7 +409,7 @@ async def test_shutdown_while_asleep_ends_the_requests_waiting_for_wake(
     await engine.start()
     await engine.sleep(level=1)
     waiting = asyncio.create_task(final(engine, PROMPTS[0], greedy()))
-    await asyncio.sleep(0)
+    await wait_until(lambda: engine.stats().requests_waiting == 1, "the request queued")
     await asyncio.wait_for(engine.shutdown(), TIMEOUT)
     with pytest.raises(EngineDeadError):
         await asyncio.wait_for(waiting, TIMEOUT)
@@ -373,7 +444,9 @@ async def test_invalid_sleep_level_or_mode_raises_value_error_and_the_engine_kee
     assert await token_ids(engine, PROMPTS[:1], greedy()) == expected
 
 
-async def test_sleep_wait_on_an_engine_paused_for_missing_weights_keeps_queued_requests(make_engine, llama_ckpt) -> None:
+async def test_sleep_wait_on_an_engine_paused_for_missing_weights_keeps_queued_requests(
+    make_engine: Callable[..., AsyncEngine], llama_ckpt: Path
+) -> None:
     # level 2, full wake, no reload: the core is paused; a queued request can never drain.
     async with make_engine(llama_ckpt) as engine:
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -381,7 +454,7 @@ async def test_sleep_wait_on_an_engine_paused_for_missing_weights_keeps_queued_r
         await engine.sleep(level=2)
         await engine.wake_up()
         queued = asyncio.create_task(final(engine, [5, 6, 7], params))
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: engine.stats().requests_waiting == 1, "the request queued")
         report = await asyncio.wait_for(engine.sleep(level=1, mode="wait"), timeout=30)
         assert any("queued" in note for note in report.notes)
         assert not queued.done()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from aioengine import AsyncEngine, Engine, SamplingParams
 from aioengine.cli import main as cli_main
 from aioengine.errors import EngineDeadError
 from tests.conftest import engine_config
-from tests.helpers import final
+from tests.helpers import TIMEOUT, final
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -37,10 +38,26 @@ def test_sync_engine_accepts_a_single_string_prompt(llama_ckpt: Path) -> None:
         assert len(out.token_ids) == 8 and out.prompt_token_ids
 
 
-def test_sync_engine_close_is_idempotent(llama_ckpt: Path) -> None:
+def test_sync_engine_close_stops_the_engine_and_every_thread_it_started_and_is_idempotent(llama_ckpt: Path) -> None:
+    before = set(threading.enumerate())
+    engine = Engine(engine_config(llama_ckpt, cache={"num_blocks": 64}))
+    started = set(threading.enumerate()) - before
+    names = {t.name for t in started}
+    assert "aioengine-loop" in names and any(name.startswith("aioengine-worker") for name in names), names
+    engine.close()
+    for thread in started:
+        thread.join(timeout=TIMEOUT)  # a thread told to stop may take a moment to return
+    assert [t.name for t in started if t.is_alive()] == []
+    assert engine.stats().dead
+    engine.close()  # a second close returns (and changes nothing)
+    assert engine.stats().dead
+
+
+def test_sync_engine_generate_after_close_raises_engine_dead_error(llama_ckpt: Path) -> None:
     engine = Engine(engine_config(llama_ckpt, cache={"num_blocks": 64}))
     engine.close()
-    engine.close()
+    with pytest.raises(EngineDeadError):
+        engine.generate([1, 2, 3], GREEDY, use_tqdm=False)
 
 
 def test_engine_runs_on_uvloop(llama_ckpt: Path) -> None:
@@ -61,7 +78,9 @@ async def test_shutdown_is_idempotent_and_refuses_new_requests(llama_ckpt: Path)
             pass
 
 
-def test_cli_generate_streams_and_reports_tokens_per_second(llama_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_generate_streams_and_reports_tokens_per_second(
+    llama_ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rc = cli_main(["generate", "--model", str(llama_ckpt), "--prompt", "Hello", "--max-tokens", "6",
                    "--temperature", "0", "--device", "cpu"])  # fmt: skip
     out = capsys.readouterr().out

@@ -121,9 +121,7 @@ def test_unknown_arch_is_refused(tmp_path: Path) -> None:
         build_checkpoint(tmp_path / "x", "gpt2")
 
 
-def test_default_model_dir_honours_cache_env_and_builds_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_default_model_dir_honours_cache_env_and_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIOENGINE_CACHE_DIR", str(tmp_path))
     path = default_model_dir()
     assert path.parent == tmp_path and "v1" in path.name

@@ -7,10 +7,10 @@ time), never from the engine. Expected weights come from per-parameter sha256 ch
 the worker thread (``collective_rpc`` with a callable), so "nothing changed" means bit for bit.
 """
 
-
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,8 +20,18 @@ import torch
 
 from aioengine import AsyncEngine
 from aioengine.errors import CheckpointError, EngineStateError
-
-from tests.weight_swap_support import *  # noqa: F403 - constants, fixtures and helpers of these tests
+from tests.helpers import TIMEOUT, wait_until
+from tests.weight_swap_support import (
+    FEW,
+    NEW_TOKENS,
+    PROMPTS,
+    b_tensors,
+    checksums,
+    final,
+    greedy,
+    hf_greedy,
+    token_ids,
+)
 
 
 # ---- a good swap: outputs follow the new weights, from every kind of source --------------------------
@@ -61,11 +71,9 @@ async def test_a_staged_file_is_read_at_staging_so_rewriting_the_file_before_the
     file = tmp_path / "next.safetensors"
     file.write_bytes((ckpt_b / "model.safetensors").read_bytes())
     in_flight = asyncio.create_task(final(engine, PROMPTS[0], greedy(100)))  # keeps the drain going a while
-    await asyncio.sleep(0)
+    await wait_until(lambda: engine.stats().requests_running == 1, "the request running")
     update = asyncio.create_task(engine.update_weights(file, mode="drain", stage=True))
-    async with asyncio.timeout(TIMEOUT):
-        while not (update.done() or engine.stats().draining):
-            await asyncio.sleep(0.001)  # staged; now draining
+    await wait_until(lambda: update.done() or engine.stats().draining, "staged and draining")
     assert not update.done(), "the drain was over before the file could be rewritten"
     with open(file, "r+b") as f:  # in place, as a trainer saving to the same path does
         f.write((llama_ckpt / "model.safetensors").read_bytes())
@@ -141,24 +149,33 @@ def _duplicated(ckpt: Path) -> Iterator[tuple[str, torch.Tensor]]:
 BAD_SOURCES: dict[str, Callable[[Path, Path], tuple[Any, bool, str]]] = {
     "missing tensor": lambda b, tmp: (_without(b, "model.norm.weight"), False, r"missing.*model\.norm\.weight"),
     "missing part of a fused tensor": lambda b, tmp: (
-        _without(b, "model.layers.1.self_attn.k_proj.weight"), False, r"missing.*model\.layers\.1\.self_attn.*k_proj"
+        _without(b, "model.layers.1.self_attn.k_proj.weight"),
+        False,
+        r"missing.*model\.layers\.1\.self_attn.*k_proj",
     ),
     "unknown name": lambda b, tmp: (
-        {**b_tensors(b), "model.layers.1.mlp.extra_proj.weight": torch.zeros(4)}, False,
+        {**b_tensors(b), "model.layers.1.mlp.extra_proj.weight": torch.zeros(4)},
+        False,
         r"model\.layers\.1\.mlp\.extra_proj\.weight.*no place",
     ),
     "wrong shape": lambda b, tmp: (
-        _replace(b, "model.norm.weight", lambda t: torch.cat([t, t])), False, r"model\.norm\.weight.*shape \(128,\)"
+        _replace(b, "model.norm.weight", lambda t: torch.cat([t, t])),
+        False,
+        r"model\.norm\.weight.*shape \(128,\)",
     ),
     "int64 dtype": lambda b, tmp: (
-        _replace(b, "model.norm.weight", lambda t: t.to(torch.int64)), False, r"model\.norm\.weight.*int64.*cannot"
+        _replace(b, "model.norm.weight", lambda t: t.to(torch.int64)),
+        False,
+        r"model\.norm\.weight.*int64.*cannot",
     ),
     "truncated file": lambda b, tmp: (_truncated(b, tmp), False, r"cut\.safetensors"),
     "corrupt file": lambda b, tmp: (_garbage(b, tmp), False, r"garbage\.safetensors"),
     "duplicated name": lambda b, tmp: (_duplicated(b), False, r"model\.layers\.0\.mlp\.down_proj\.weight.*twice"),
     "missing path": lambda b, tmp: (tmp / "nowhere", False, r"nowhere.*does not exist"),
     "wrong shape, staged": lambda b, tmp: (
-        _replace(b, "model.norm.weight", lambda t: t[:-1]), True, r"model\.norm\.weight.*shape \(63,\)"
+        _replace(b, "model.norm.weight", lambda t: t[:-1]),
+        True,
+        r"model\.norm\.weight.*shape \(63,\)",
     ),
 }
 
@@ -224,12 +241,42 @@ async def test_an_update_writes_in_place_keeping_every_parameter_address(
 
 
 # ---- the report and the version counter -----------------------------------------------------------------
-async def test_the_report_gives_tensors_bytes_and_seconds_of_the_source(engine: AsyncEngine, ckpt_b: Path) -> None:
+SLOW_READ = 0.3
+"""Seconds the source below takes to read: long beside the copy of this small model's weights."""
+
+
+def slow_source(ckpt: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """B's tensors, from an iterator that needs ``SLOW_READ`` seconds before its first tensor."""
+    time.sleep(SLOW_READ)
+    yield from b_tensors(ckpt).items()
+
+
+async def test_the_report_gives_tensors_bytes_and_the_new_version_of_the_source(
+    engine: AsyncEngine, ckpt_b: Path
+) -> None:
     tensors = b_tensors(ckpt_b)
+    version = engine.weights_version
     report = await engine.update_weights(ckpt_b)
-    assert report.tensors == len(tensors)
+    assert (report.mode, report.tensors) == ("pause", len(tensors))
     assert report.bytes == sum(t.numel() * t.element_size() for t in tensors.values())
-    assert report.seconds >= report.pause_seconds >= 0.0
+    assert report.weights_version == engine.weights_version == version + 1
+    assert (report.aborted, report.preempted) == (0, 0)
+
+
+@pytest.mark.parametrize("stage", [False, True], ids=["streamed", "staged"])
+async def test_the_pause_covers_the_read_of_a_streamed_source_and_only_the_copy_of_a_staged_one(
+    engine: AsyncEngine, ckpt_b: Path, ref: dict[str, list[list[int]]], stage: bool
+) -> None:
+    started = time.perf_counter()
+    report = await engine.update_weights(slow_source(ckpt_b), stage=stage)
+    elapsed = time.perf_counter() - started
+    assert report.seconds <= elapsed  # the whole call, nothing more
+    if stage:  # read and checked while the engine served; the pause is the copy alone
+        assert report.seconds - report.pause_seconds >= SLOW_READ
+        assert report.pause_seconds < SLOW_READ
+    else:  # read during the pause
+        assert report.pause_seconds >= SLOW_READ
+    assert await token_ids(engine) == ref["B"][:FEW]
 
 
 async def test_weights_version_counts_successful_updates_only(engine: AsyncEngine, ckpt_b: Path) -> None:
@@ -282,7 +329,7 @@ async def test_drain_while_the_kv_cache_sleeps_with_a_request_queued_is_refused_
 ) -> None:
     await engine.sleep(level=1)
     queued = asyncio.create_task(final(engine, PROMPTS[0]))
-    await asyncio.sleep(0.05)  # the request is accepted and waits for the wake
+    await wait_until(lambda: engine.stats().requests_waiting == 1, "the request queued for the wake")
     await engine.wake_up(["weights"])
     with pytest.raises(EngineStateError, match="drain"):
         async with asyncio.timeout(TIMEOUT):

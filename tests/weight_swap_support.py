@@ -1,6 +1,7 @@
 """Shared set-up of the weight-swap tests: checkpoints A and B, HF references, helpers.
 
-Imported with * by the test modules, so the fixtures here are theirs too."""
+The fixtures here reach every test module through ``pytest_plugins`` in conftest.py; the modules import
+the constants and helpers they use by name."""
 
 from __future__ import annotations
 
@@ -17,10 +18,8 @@ from safetensors.torch import load_file
 
 from aioengine import AsyncEngine, RequestOutput, SamplingParams
 from aioengine.testing import build_checkpoint, build_tokenizer
-from tests.helpers import hf_generate
+from tests.helpers import TIMEOUT, hf_generate
 
-TIMEOUT = 60.0
-"""Seconds any single await on the engine may take: a hung stream fails its test, not the run."""
 NEW_TOKENS = 24
 NUM_STREAMS = 30
 NUM_LATE = 5
@@ -86,8 +85,8 @@ def greedy(max_tokens: int = NEW_TOKENS) -> SamplingParams:
 async def final(engine: AsyncEngine, prompt: list[int], params: SamplingParams | None = None) -> RequestOutput:
     out = None
     async with asyncio.timeout(TIMEOUT):
-        async for out in engine.generate(prompt, params or greedy()):
-            pass
+        async for item in engine.generate(prompt, params or greedy()):
+            out = item
     assert out is not None and out.finished
     return out
 

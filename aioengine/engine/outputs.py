@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,31 +100,40 @@ class IncrementalDetokenizer:
         return best
 
 
+def _same_weights(a: RequestOutput, b: RequestOutput) -> bool:
+    return a.weights_version == b.weights_version
+
+
 @dataclass(slots=True)
 class OutputCollector:
     """Hands outputs from the engine loop to one consumer; merges updates if the consumer lags.
 
     Merging instead of queueing keeps memory bounded for slow consumers and loses nothing:
-    deltas concatenate, cumulative fields take the newest value.
+    deltas concatenate, cumulative fields take the newest value. Outputs computed with different
+    weights are never merged, so every token's ``weights_version`` stays exact (a new version is
+    rare, so what waits stays small). An error ends the stream: nothing after it is kept.
     """
 
-    _pending: RequestOutput | BaseException | None = None
+    _pending: deque[RequestOutput | BaseException] = field(default_factory=deque)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        prev = self._pending
-        if isinstance(item, RequestOutput) and isinstance(prev, RequestOutput):
-            item.delta_text = prev.delta_text + item.delta_text
-            item.delta_token_ids = prev.delta_token_ids + item.delta_token_ids
-        if not isinstance(prev, BaseException):
-            self._pending = item
+        pending = self._pending
+        last = pending[-1] if pending else None
+        if isinstance(last, BaseException):
+            return
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and _same_weights(last, item):
+            item.delta_text = last.delta_text + item.delta_text
+            item.delta_token_ids = last.delta_token_ids + item.delta_token_ids
+            pending.pop()
+        pending.append(item)
         self._ready.set()
 
     async def get(self) -> RequestOutput:
         await self._ready.wait()
-        item, self._pending = self._pending, None
-        self._ready.clear()
+        item = self._pending.popleft()
+        if not self._pending:
+            self._ready.clear()
         if isinstance(item, BaseException):
             raise item
-        assert item is not None
         return item

@@ -14,6 +14,7 @@ from typing import Any, TypeVar, cast
 from aioengine.config import EngineConfig
 from aioengine.engine.async_engine import AsyncEngine, EngineStats, Prompt
 from aioengine.engine.outputs import RequestOutput
+from aioengine.errors import EngineDeadError
 from aioengine.sampling.params import SamplingParams
 
 T = TypeVar("T")
@@ -44,6 +45,9 @@ class Engine:
             raise
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop.is_closed():
+            coro.close()  # never started: close it so it is not reported as never awaited
+            raise EngineDeadError("the engine was closed; create a new one")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def generate(
