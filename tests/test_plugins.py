@@ -35,6 +35,7 @@ from plugins.weight_sync import (
     weight_metadata,
 )
 from tests.conftest import engine_config
+from tests.helpers import last_output
 
 TIMEOUT = 60.0
 """Seconds any single await on the engine may take: a hang fails its test, not the run."""
@@ -279,6 +280,7 @@ async def test_weights_broadcast_by_a_trainer_process_give_the_outputs_of_an_eng
             await rpc(engine, "init_weight_update_group", "127.0.0.1", port, 1, 2, timeout_s=30.0)
             written = await rpc(engine, "receive_weights", metadata, partial=False)
             outputs = await greedy_outputs(engine)
+            version_seen = (await last_output(engine.generate(PROMPTS[0], {"max_tokens": 2}))).weights_version
         finally:
             await rpc(engine, "close_weight_update_group")
             try:
@@ -290,6 +292,7 @@ async def test_weights_broadcast_by_a_trainer_process_give_the_outputs_of_an_eng
                     await trainer.wait()
     assert trainer.returncode == 0, stderr.decode()
     assert written.tensors == len(metadata)
+    assert written.weights_version == engine.weights_version == version_seen == 1  # outputs carry the push
     assert outputs == outputs_b
 
 
