@@ -293,3 +293,13 @@ async def test_a_streamed_file_with_a_nan_tensor_is_refused_before_the_write_or_
         await engine.update_weights(tmp_path / "model.safetensors", stage=True)
     await engine.reload_weights()
     assert await tokens(engine) == reference["A"]
+
+
+def test_the_finite_check_is_exact_when_a_sum_of_finite_weights_overflows() -> None:
+    from aioengine.worker.weights import check_tensor
+
+    check_tensor("big", torch.full((8,), 3e38))  # the sum overflows to inf, every element is finite
+    check_tensor("half", torch.full((8,), 60000.0, dtype=torch.float16))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(CheckpointError, match="NaN or Inf"):
+            check_tensor("w", torch.tensor([1.0, bad, 2.0]))
