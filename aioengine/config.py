@@ -81,7 +81,7 @@ class ModelConfig(_Section):
 
     path: str | None = Field(
         None,
-        description="Hugging Face checkpoint directory. None serves the embedded demo model.",
+        description="HF checkpoint directory. None: the embedded default model (SmolLM2-135M-Instruct, fetched and converted once; the random-init demo model when it cannot be had).",
     )
     tokenizer: str | None = Field(None, description="Tokenizer directory. None uses the checkpoint directory (`path`).")
     dtype: DType = Field(

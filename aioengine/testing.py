@@ -286,11 +286,13 @@ def _cache_root() -> Path:
 
 
 def default_model_dir() -> Path:
-    """Return the demo's default model (Llama, hidden 256, 4 layers, seed 0), building it on first use.
+    """Return the random-init demo model (Llama, hidden 256, 4 layers, seed 0), building it on first use.
 
-    It lives under ``$AIOENGINE_CACHE_DIR``, else ``$XDG_CACHE_HOME/aioengine``, else
-    ``~/.cache/aioengine``. The build goes to a temp dir beside it and is renamed into place, so a crash
-    or a concurrent process never leaves a half-written model behind.
+    The engine's default model is the real SmolLM2-135M-Instruct of ``aioengine.models``; this one is its
+    fallback when that cannot be fetched, and what ``AIOENGINE_DEFAULT_MODEL=random`` picks (quick, but
+    its text is gibberish). It lives under ``$AIOENGINE_CACHE_DIR``, else ``$XDG_CACHE_HOME/aioengine``,
+    else ``~/.cache/aioengine``. The build goes to a temp dir beside it and is renamed into place, so a
+    crash or a concurrent process never leaves a half-written model behind.
     """
     final = _cache_root() / _DEMO_NAME
     if _is_complete(final):
@@ -298,6 +300,10 @@ def default_model_dir() -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{_DEMO_NAME}-", dir=final.parent))
     tmp.chmod(0o755)  # mkdtemp's 0o700 would hide a shared cache from other users
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a build of a second or so: no "Writing model shards" bar
     try:
         build_checkpoint(
             tmp, "llama", hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4, num_kv_heads=2, seed=0
@@ -312,5 +318,7 @@ def default_model_dir() -> Path:
             if not _is_complete(final):
                 raise
     finally:
+        if bars:
+            hf_logging.enable_progress_bar()
         shutil.rmtree(tmp, ignore_errors=True)
     return final

@@ -1,6 +1,6 @@
 """One entry point for every benchmark: ``python -m benchmarks <name> [options]``.
 
-    python -m benchmarks throughput [--requests N] [--model tiny|small] [--out DIR]
+    python -m benchmarks throughput [--requests N] [--model tiny|small|real] [--out DIR]
     python -m benchmarks sleep_wake [--num-blocks N] [--device cpu]
     python -m benchmarks weight_swap [--streams N] [--keep DIR]
 

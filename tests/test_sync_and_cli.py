@@ -89,11 +89,16 @@ def test_cli_generate_streams_and_reports_tokens_per_second(
     assert "tokens/s" in out.splitlines()[-1]
 
 
-def test_cli_demo_uses_the_embedded_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_cli_demo_runs_every_step_on_the_random_init_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    # The real default model is covered by tests/test_real_model.py; here the quick random-init one.
     monkeypatch.setenv("AIOENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("AIOENGINE_DEFAULT_MODEL", "random")
     rc = cli_main(["demo", "--max-tokens", "4", "--device", "cpu"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "tokens from 3 requests" in out
+    assert "tokens from 5 requests" in out
+    for step in ("sleep(level=1)", "sleep(level=2)", "the same answer as before: True", "weights_version 2",
+                 "the same as before: True", "Summary", "output tokens/s"):  # fmt: skip
+        assert step in out, step
     assert any(tmp_path.iterdir()), "the demo model is cached under AIOENGINE_CACHE_DIR"

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,6 +32,8 @@ from aioengine.scheduler.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+ChatMessages = Sequence[Mapping[str, str]]
+"""A conversation: ``[{"role": "system" | "user" | "assistant", "content": "..."}, ...]``."""
 
 LONG_PROMPT_CHARS = 16_384
 """Text prompts longer than this are tokenized on a thread, so the event loop keeps serving meanwhile."""
@@ -213,6 +215,14 @@ class AsyncEngine:
             ids = (await asyncio.to_thread(self.tokenizer, prompt)).input_ids
         return ids
 
+    def chat_prompt_ids(self, messages: ChatMessages) -> list[int]:
+        """The prompt token ids of a conversation: the tokenizer's chat template applied exactly as
+        ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` does, so
+        the model answers as the assistant. Raises ``InvalidRequestError`` for malformed messages or a
+        tokenizer without a chat template."""
+        self._require_core()
+        return _apply_chat_template(self.tokenizer, messages)
+
     def _make_request(self, core: EngineCore, token_ids: list[int], params: SamplingParams, request_id: str) -> Request:
         info = self.model_info
         assert info is not None
@@ -246,20 +256,39 @@ class AsyncEngine:
         return Request(request_id, token_ids, params)
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | dict[str, Any] | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt | None = None,
+        params: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+        *,
+        messages: ChatMessages | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams outputs of one request until it finishes.
 
-        Raises ``InvalidRequestError`` (a ``ValueError``) for a bad prompt or params before anything
-        is queued; other requests are unaffected.
+        Give either ``prompt`` (text or token ids) or ``messages``, a conversation
+        (``[{"role": "user", "content": "..."}]``) that the tokenizer's chat template turns into the
+        prompt, as ``chat_prompt_ids`` does. Generation stops at the model's EOS (its chat end-of-turn
+        token for instruct models) unless ``params.ignore_eos``.
+
+        Raises ``InvalidRequestError`` (a ``ValueError``) for a bad prompt, messages or params before
+        anything is queued; other requests are unaffected.
         """
         core = self._require_core()
+        if (prompt is None) == (messages is None):
+            raise InvalidRequestError("pass exactly one of prompt and messages")
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
             params = SamplingParams(**params)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
-        token_ids = await self._prompt_ids(prompt, request_id)
+        if messages is not None:
+            if sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, Mapping)) <= LONG_PROMPT_CHARS:
+                token_ids = _apply_chat_template(self.tokenizer, messages, request_id)
+            else:
+                token_ids = await asyncio.to_thread(_apply_chat_template, self.tokenizer, messages, request_id)
+        else:
+            assert prompt is not None
+            token_ids = await self._prompt_ids(prompt, request_id)
         core = self._require_core()  # again: the engine may have stopped while a long prompt was tokenized
         if request_id in core.collectors:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
@@ -431,6 +460,34 @@ def _make_executor(config: EngineConfig) -> Executor:
     from aioengine.executor.thread import ThreadExecutor
 
     return ThreadExecutor(config)
+
+
+def _apply_chat_template(tokenizer: Any, messages: ChatMessages, request_id: str | None = None) -> list[int]:
+    """``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` as a list of ids
+    (transformers 5 returns a BatchEncoding, 4.x a list), with malformed input refused by name."""
+    where = f"request {request_id!r}: " if request_id is not None else ""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
+        raise InvalidRequestError(f"{where}messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidRequestError(f"{where}messages[{i}] is a {type(message).__name__}, not a dict")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise InvalidRequestError(f"{where}messages[{i}] needs a string {key!r}, got {message.get(key)!r}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(
+            f"{where}this model's tokenizer has no chat template, so it cannot take messages; pass a prompt instead"
+        )
+    try:
+        encoded = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # the template's own checks (e.g. roles that must alternate) raise what they like
+        raise InvalidRequestError(f"{where}the chat template refused these messages: {exc}") from exc
+    ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded  # BatchEncoding is a Mapping
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if ids and isinstance(ids[0], list):  # a batch of one
+        ids = ids[0]
+    return [int(t) for t in ids]
 
 
 def _load_tokenizer(path: str) -> tuple[Any, int]:

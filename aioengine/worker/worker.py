@@ -53,12 +53,14 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 def resolve_model_path(path: str | None) -> str:
-    """The configured checkpoint, or the embedded demo model (built once, cached) when none is set."""
+    """The configured checkpoint, or the embedded default model when none is set: SmolLM2-135M-Instruct,
+    fetched and converted once into the user cache (``aioengine.models``), or, when it cannot be had, the
+    random-init demo model, with one line on stderr saying why."""
     if path is not None:
         return path
-    from aioengine.testing import default_model_dir
+    from aioengine.models import default_model
 
-    return str(default_model_dir())
+    return str(default_model().path)
 
 
 class Worker(WorkerBase):
