@@ -81,7 +81,10 @@ class ModelConfig(_Section):
 
     path: str | None = Field(
         None,
-        description="HF checkpoint directory. None: the embedded default model (SmolLM2-135M-Instruct, fetched and converted once; the random-init demo model when it cannot be had).",
+        description=(
+            "HF checkpoint directory. None: the embedded default model (SmolLM2-135M-Instruct, fetched and "
+            "converted once; the random-init demo model when it cannot be had)."
+        ),
     )
     tokenizer: str | None = Field(None, description="Tokenizer directory. None uses the checkpoint directory (`path`).")
     dtype: DType = Field(

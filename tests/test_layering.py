@@ -17,7 +17,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "aioengine"
 
-ASYNCIO_SIDE = ("aioengine.engine", "aioengine.executor", "aioengine.cli", "aioengine.server")
+ASYNCIO_SIDE = ("aioengine.engine", "aioengine.executor", "aioengine.cli", "aioengine.demo", "aioengine.server")
 """Our modules that run on the event loop (the executor is the bridge: it may use asyncio)."""
 
 
