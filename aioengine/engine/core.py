@@ -213,11 +213,11 @@ class EngineCore:
         the old weights and kept for reuse is dropped here (the prefix cache, once it exists)."""
         self.weights_version = max(self.weights_version, report.weights_version)
         if report.weights_valid != self.memory.weights_valid:
-            self.set_memory(MemoryState(self.memory.asleep, self.memory.level, report.weights_valid))
+            self.set_memory(self.memory.with_weights(report.weights_valid))
 
     def weights_lost(self) -> None:
         """A worker's weight write broke half-way (WeightsLostError): no step runs until a full write."""
-        self.set_memory(MemoryState(self.memory.asleep, self.memory.level, weights_valid=False))
+        self.set_memory(self.memory.with_weights(False))
 
     async def _until_idle(self) -> None:
         await self._idle.wait()

@@ -7,7 +7,7 @@ The workers keep the device-side truth (their sleep backends) and report it back
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aioengine.messages import WAKE_TAGS, SleepLevel, WakeTag
 
@@ -39,6 +39,10 @@ class MemoryState:
     def woke(self, tags: tuple[WakeTag, ...]) -> MemoryState:
         asleep = self.asleep.difference(tags)
         return MemoryState(asleep, self.level if asleep else None, self.weights_valid)
+
+    def with_weights(self, valid: bool) -> MemoryState:
+        """The same state after a weight write that left the weights valid (or not)."""
+        return replace(self, weights_valid=valid)
 
     def why_not_serving(self) -> str:
         """A sentence naming what keeps the engine from serving and the call that ends it."""
