@@ -14,13 +14,19 @@ if TYPE_CHECKING:
     from aioengine.config import EngineConfig as EngineConfig
     from aioengine.engine.async_engine import AsyncEngine as AsyncEngine
     from aioengine.engine.async_engine import EngineStats as EngineStats
+    from aioengine.engine.outputs import CompletionOutput as CompletionOutput
+    from aioengine.engine.outputs import Logprob as Logprob
     from aioengine.engine.outputs import RequestOutput as RequestOutput
+    from aioengine.engine.outputs import ScoreOutput as ScoreOutput
     from aioengine.engine.pool import EnginePool as EnginePool
     from aioengine.engine.sync import Engine as Engine
     from aioengine.sampling.params import SamplingParams as SamplingParams
 
 _EXPORTS = {
     "AsyncEngine": "aioengine.engine.async_engine",
+    "CompletionOutput": "aioengine.engine.outputs",
+    "Logprob": "aioengine.engine.outputs",
+    "ScoreOutput": "aioengine.engine.outputs",
     "Engine": "aioengine.engine.sync",
     "EngineConfig": "aioengine.config",
     "EnginePool": "aioengine.engine.pool",

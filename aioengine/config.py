@@ -97,6 +97,11 @@ class ModelConfig(_Section):
         description="Longest sequence (prompt + output) in tokens. None takes it from the checkpoint config.",
     )
     seed: int = Field(0, description="Seed of the random generators used for sampling.")
+    max_logprobs: int = Field(
+        20,
+        ge=0,
+        description="The most top logprobs a request may ask for (SamplingParams.logprobs / prompt_logprobs).",
+    )
 
 
 class CacheConfig(_Section):

@@ -57,3 +57,8 @@ class RequestAbortedError(EngineDeadError):
     """Raised inside the consumer of a request that was in flight when the engine died or was shut
     down; names the request, and its cause is the engine's error. (A request aborted on purpose, by
     ``abort()`` or an abort mode, ends normally with ``finish_reason == "abort"`` instead.)"""
+
+
+class ScoreAbortedError(AIOEngineError, RuntimeError):
+    """A ``score()`` was aborted on purpose (``abort()``, or the abort mode of a pause, sleep or weight
+    update) before every token was rated; nothing partial is returned. Score again."""

@@ -55,6 +55,30 @@ def check_tags(tags: Iterable[str] | None) -> tuple[WakeTag, ...]:
 
 # ---- one step --------------------------------------------------------------------------------------------
 @dataclass(slots=True)
+class PromptLogprobsSpec:
+    """Known tokens of a step whose logprobs the worker returns (prompt logprobs, scoring): the logits
+    at the position before each give them."""
+
+    k: int
+    """Top logprobs besides each token's own."""
+    first_pos: int
+    """Position of ``token_ids[0]``; ``first_pos - 1`` is a position the step computes."""
+    token_ids: list[int]
+    """Consecutive tokens from ``first_pos``; the logits of each one's predecessor are in the step."""
+
+
+@dataclass(slots=True)
+class LogprobRows:
+    """Logprobs of consecutive positions: per row the chosen token first (sampled, or the known prompt
+    token), then the top ``k`` tokens; with the rank of each (1: the most likely)."""
+
+    first_pos: int
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[list[int]]
+
+
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step."""
 
@@ -70,6 +94,14 @@ class ScheduledRequest:
     """Set when this step reaches the end of the known tokens, so a new token is sampled."""
     output_index: int = 0
     """Tokens generated before this step; keys seeded sampling so it survives preemption."""
+    sample_index: int = 0
+    """Which of the request's ``n`` samples this sequence is; keys seeded sampling with ``output_index``."""
+    history: list[int] | None = None
+    """Set when sampling reads earlier tokens (penalties, bad words): the sequence's tokens before
+    ``start_pos``; with ``token_ids`` they are everything before the sampled token."""
+    num_prompt_tokens: int = 0
+    """How many tokens of the sequence are prompt (the rest output); sent with ``history``."""
+    prompt_logprobs: PromptLogprobsSpec | None = None
 
     @property
     def sample(self) -> bool:
@@ -80,9 +112,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     """Everything the worker needs for one step; the worker decides nothing itself.
 
-    The block maps are the seeds' cache operations, run by the worker before the forward. Today's
-    scheduler leaves them empty: the prefix-caching / swap-preemption work makes them live (swap
-    out to host on preemption, swap in before resuming, copy-on-write of shared blocks).
+    The block maps are the seeds' cache operations, run by the worker before the forward. Copy-on-write
+    is live (``blocks_to_copy``); the swap maps stay empty until swap preemption exists.
     """
 
     step_id: int
@@ -90,6 +121,8 @@ class SchedulerOutput:
     blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
     blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
     blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
+    """Copy-on-write: source block -> blocks that get its contents before the forward (a sample of ``n``
+    writing into the prompt's shared last block)."""
 
     @property
     def num_tokens(self) -> int:
@@ -108,6 +141,10 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[int]
     forward_seconds: float = 0.0
+    logprobs: dict[str, LogprobRows] | None = None
+    """Per request that asked (``SamplingParams.logprobs``): one row, the sampled token's."""
+    prompt_logprobs: dict[str, LogprobRows] | None = None
+    """Per request with a ``PromptLogprobsSpec`` this step: one row per token of the spec."""
     weights_version: int = 0
     """The worker's weights version the step computed with (the worker counts every weight write)."""
 

@@ -88,9 +88,9 @@ async def test_a_huge_text_prompt_is_refused_before_it_is_tokenized(llama_engine
 async def test_a_long_text_prompt_is_tokenized_off_the_event_loop(
     llama_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aioengine.engine import async_engine
+    from aioengine.engine import intake
 
-    monkeypatch.setattr(async_engine, "LONG_PROMPT_CHARS", 100)
+    monkeypatch.setattr(intake, "LONG_PROMPT_CHARS", 100)
     real = llama_engine.tokenizer
     threads: list[str] = []
 

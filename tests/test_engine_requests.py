@@ -272,10 +272,11 @@ async def test_a_slow_consumer_gets_merged_outputs_and_loses_nothing(llama_engin
 
 
 def test_a_lagging_stream_never_merges_outputs_computed_with_different_weights() -> None:
-    from aioengine.engine.outputs import OutputCollector, RequestOutput
+    from aioengine.engine.outputs import CompletionOutput, OutputCollector, RequestOutput
 
     def out(tokens: list[int], version: int) -> RequestOutput:
-        return RequestOutput("r", [1], tokens, "", "", tokens, False, weights_version=version)
+        sample = CompletionOutput(0, tokens, "", delta_token_ids=tokens)
+        return RequestOutput("r", [1], [sample], False, weights_version=version)
 
     collector = OutputCollector()
     collector.put(out([10], 0))

@@ -14,7 +14,8 @@ sampler = Sampler()
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices=None) -> torch.Tensor:
     indices = output_indices if output_indices is not None else [0] * len(params)
-    return sampler(logits, SamplingMetadata.build(params, indices, logits.device))
+    meta = SamplingMetadata.build(params, indices, logits.device, vocab_size=logits.shape[-1])
+    return sampler(logits, meta).token_ids
 
 
 def seeded_token(logits_row: torch.Tensor, seed: int, output_index: int) -> int:
@@ -67,7 +68,7 @@ def test_tiny_temperature_is_greedy():
 
 def test_metadata_leaves_top_k_and_top_p_off_when_no_row_uses_them():
     params = [SamplingParams(), SamplingParams(temperature=0, top_k=5)]
-    meta = SamplingMetadata.build(params, [0, 0], "cpu")
+    meta = SamplingMetadata.build(params, [0, 0], "cpu", vocab_size=10)
     assert meta.top_k is None and meta.top_p is None
     assert not meta.all_greedy and not meta.all_random
 
@@ -192,3 +193,14 @@ def test_seeded_rows_match_softmax():
     tokens = sample(logits.expand(draws, 4), [SamplingParams(seed=11)] * draws, list(range(draws)))
     empirical = torch.bincount(tokens, minlength=4).float() / draws
     assert torch.allclose(empirical, logits.softmax(dim=-1), atol=0.05)
+
+
+def test_tokens_of_zero_probability_are_never_drawn_first_middle_or_last():
+    torch.manual_seed(1)
+    inf = float("-inf")
+    logits = torch.tensor([inf, 1.0, inf, 0.5, inf])
+    draws = 20_000
+    tokens = sample(logits.expand(draws, 5), [SamplingParams()] * draws)
+    assert set(tokens.tolist()) == {1, 3}
+    seeded = sample(logits.expand(200, 5), [SamplingParams(seed=3)] * 200, list(range(200)))
+    assert set(seeded.tolist()) == {1, 3}

@@ -6,37 +6,42 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from aioengine.config import EngineConfig
-from aioengine.engine.control import EngineControl, SleepMode, SleepReport, UpdateMode, WakeReport, WeightUpdateReport
+from aioengine.engine import intake
+from aioengine.engine.control import (
+    EngineControl,
+    PauseMode,
+    PauseReport,
+    SleepMode,
+    SleepReport,
+    UpdateMode,
+    WakeReport,
+    WeightUpdateReport,
+)
 from aioengine.engine.core import EngineCore
-from aioengine.engine.outputs import RequestOutput
+from aioengine.engine.intake import ChatMessages, Prompt
+from aioengine.engine.outputs import RequestOutput, ScoreOutput
 from aioengine.errors import (
     ConfigurationError,
     EngineDeadError,
     EngineNotStartedError,
     EngineStateError,
     InvalidRequestError,
-    RequestTooLargeError,
+    ScoreAbortedError,
     WeightsLostError,
 )
 from aioengine.executor.base import Executor
 from aioengine.messages import KVCacheConfig, ModelInfo, SleepLevel, WorkerWeightsReport
 from aioengine.sampling.params import SamplingParams
-from aioengine.scheduler.request import Request
 from aioengine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
-ChatMessages = Sequence[Mapping[str, str]]
-"""A conversation: ``[{"role": "system" | "user" | "assistant", "content": "..."}, ...]``."""
-
-LONG_PROMPT_CHARS = 16_384
-"""Text prompts longer than this are tokenized on a thread, so the event loop keeps serving meanwhile."""
+__all__ = ["AsyncEngine", "ChatMessages", "EngineStats", "Prompt"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,8 @@ class EngineStats:
     """Requests that arrived during a drain and wait for it to end."""
     draining: bool = False
     """A control call (sleep "wait", update_weights "drain") is finishing the requests in flight."""
+    paused: bool = False
+    """Generation is paused (pause_generation) until resume_generation; requests sent meanwhile wait."""
     sleeping: tuple[str, ...] = ()
     weights_valid: bool = True
     max_model_len: int | None = None
@@ -132,7 +139,9 @@ class AsyncEngine:
         await rpc("load_model")
         info: ModelInfo = await rpc("get_model_info", unique_reply_rank=0)
         # After load_model, not beside it: transformers' lazy imports race when two threads import at once.
-        tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, cfg.model.tokenizer or info.model_path))
+        tokenizer_task = asyncio.create_task(
+            asyncio.to_thread(intake.load_tokenizer, cfg.model.tokenizer or info.model_path)
+        )
         block_bytes = await rpc("get_cache_block_size_bytes", unique_reply_rank=0)
         available = min(await rpc("determine_available_memory"))
         num_cache_blocks = cfg.cache.num_blocks or available // block_bytes
@@ -195,65 +204,34 @@ class AsyncEngine:
         assert self._control is not None
         return self._control
 
-    async def _prompt_ids(self, prompt: Prompt, request_id: str) -> list[int]:
-        """Token ids of a prompt. A text that must be longer than ``max_model_len`` whatever it says is
-        refused before it is tokenized; a long one is tokenized off the event loop."""
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if not prompt:
-            return []
-        assert self.model_info is not None
-        at_least = len(prompt.encode()) // self._max_token_bytes  # no token covers more bytes than this
-        if at_least > self.model_info.max_model_len:
-            raise RequestTooLargeError(
-                f"request {request_id!r}: the prompt ({len(prompt)} characters) is at least {at_least} tokens, "
-                f"more than max_model_len={self.model_info.max_model_len}; shorten it"
-            )
-        if len(prompt) <= LONG_PROMPT_CHARS:
-            ids: list[int] = self.tokenizer(prompt).input_ids
-        else:
-            ids = (await asyncio.to_thread(self.tokenizer, prompt)).input_ids
-        return ids
-
     def chat_prompt_ids(self, messages: ChatMessages) -> list[int]:
         """The prompt token ids of a conversation: the tokenizer's chat template applied exactly as
         ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` does, so
         the model answers as the assistant. Raises ``InvalidRequestError`` for malformed messages or a
         tokenizer without a chat template."""
         self._require_core()
-        return _apply_chat_template(self.tokenizer, messages)
+        return intake.apply_chat_template(self.tokenizer, messages)
 
-    def _make_request(self, core: EngineCore, token_ids: list[int], params: SamplingParams, request_id: str) -> Request:
-        info = self.model_info
-        assert info is not None
-        if not token_ids:
-            raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
-        vocab = info.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"request {request_id!r}: prompt token id {bad!r} is outside the vocabulary [0, {vocab})"
-            )
-        total = len(token_ids) + params.max_tokens
-        if total > info.max_model_len:
-            raise RequestTooLargeError(
-                f"request {request_id!r}: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{total} exceeds max_model_len={info.max_model_len}; shorten the prompt or lower max_tokens"
-            )
-        scheduler = core.scheduler
-        if not scheduler.enable_chunked_prefill and len(token_ids) > scheduler.max_num_batched_tokens:
-            raise RequestTooLargeError(
-                f"request {request_id!r}: the prompt ({len(token_ids)} tokens) can never be scheduled: with chunked "
-                f"prefill off a prompt must fit in one step, scheduler.max_num_batched_tokens="
-                f"{scheduler.max_num_batched_tokens}; shorten it, raise that limit or enable chunked prefill"
-            )
-        capacity = scheduler.kv.capacity_tokens
-        if total > capacity:
-            raise RequestTooLargeError(
-                f"request {request_id!r}: needs {total} tokens of KV cache but the whole cache holds {capacity}; "
-                "lower max_tokens or give the cache more memory"
-            )
-        return Request(request_id, token_ids, params)
+    async def _prompt_ids(self, prompt: Prompt, request_id: str) -> list[int]:
+        assert self.model_info is not None
+        return await intake.prompt_ids(
+            self.tokenizer, prompt, request_id, self._max_token_bytes, self.model_info.max_model_len
+        )
+
+    def _check_params(self, params: SamplingParams | dict[str, Any] | None, request_id: str) -> SamplingParams:
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams(**params)
+        assert self.model_info is not None
+        return intake.check_params(
+            params,
+            request_id,
+            self.model_info,
+            self.config.scheduler.max_num_seqs,
+            self.config.model.max_logprobs,
+            self.tokenizer,
+        )
 
     async def generate(
         self,
@@ -276,23 +254,17 @@ class AsyncEngine:
         core = self._require_core()
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("pass exactly one of prompt and messages")
-        if params is None:
-            params = SamplingParams()
-        elif isinstance(params, dict):
-            params = SamplingParams(**params)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
+        params = self._check_params(params, request_id)
         if messages is not None:
-            if sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, Mapping)) <= LONG_PROMPT_CHARS:
-                token_ids = _apply_chat_template(self.tokenizer, messages, request_id)
-            else:
-                token_ids = await asyncio.to_thread(_apply_chat_template, self.tokenizer, messages, request_id)
+            token_ids = await intake.chat_ids(self.tokenizer, messages, request_id)
         else:
             assert prompt is not None
             token_ids = await self._prompt_ids(prompt, request_id)
         core = self._require_core()  # again: the engine may have stopped while a long prompt was tokenized
-        if request_id in core.collectors:
-            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
-        collector = core.add_request(self._make_request(core, token_ids, params, request_id))
+        assert self.model_info is not None
+        intake.check_sequence(token_ids, params.max_tokens, request_id, self.model_info, core.scheduler)
+        collector = core.add_request(intake.generation_request(token_ids, params, request_id))
         finished = False
         try:
             while not finished:
@@ -302,6 +274,60 @@ class AsyncEngine:
         finally:
             if not finished:  # consumer cancelled or stopped early: free the request's blocks now
                 core.release_stream(request_id, collector)
+
+    async def score(
+        self,
+        prompt: Prompt,
+        continuations: Sequence[Prompt],
+        *,
+        top_logprobs: int = 0,
+        request_id: str | None = None,
+    ) -> list[ScoreOutput]:
+        """The logprob of every token of each continuation given the prompt and the tokens before it, with
+        no sampling: what a trainer asks for reference logprobs. The prompt is computed once and its KV
+        blocks are shared by the continuations.
+
+        Continuations are token ids, or texts tokenized on their own without special tokens (token ids are
+        exact; a text tokenized next to the prompt may split differently). ``top_logprobs`` adds the most
+        likely tokens at each position. Logprobs are log-softmax of the model's logits in float32.
+        """
+        core = self._require_core()
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if isinstance(continuations, str) or not continuations:
+            raise InvalidRequestError(f"request {request_id!r}: continuations must be a non-empty list")
+        max_seqs = self.config.scheduler.max_num_seqs
+        if len(continuations) > max_seqs:
+            raise InvalidRequestError(
+                f"request {request_id!r}: {len(continuations)} continuations are more than scheduler.max_num_seqs="
+                f"{max_seqs}, the most sequences a step runs; score them in smaller groups"
+            )
+        max_logprobs = self.config.model.max_logprobs
+        if not 0 <= top_logprobs <= max_logprobs:
+            raise InvalidRequestError(
+                f"request {request_id!r}: top_logprobs={top_logprobs} must be in [0, model.max_logprobs={max_logprobs}]"
+            )
+        prompt_ids = await self._prompt_ids(prompt, request_id)
+        conts = [await intake.continuation_ids(self.tokenizer, c, request_id, i) for i, c in enumerate(continuations)]
+        core = self._require_core()
+        assert self.model_info is not None
+        for continuation in conts:
+            if not continuation:
+                raise InvalidRequestError(f"request {request_id!r}: a continuation is empty")
+            intake.check_sequence(prompt_ids + continuation, 1, request_id, self.model_info, core.scheduler)
+        if not prompt_ids:
+            raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
+        request = intake.score_request(prompt_ids, conts, top_logprobs, request_id)
+        collector = core.add_request(request, kind="score", num_scored_from=len(prompt_ids))
+        finished = False
+        try:
+            out = await collector.get()
+            finished = True
+        finally:
+            if not finished:
+                core.release_stream(request_id, collector)
+        if any(o.finish_reason == "abort" for o in out.outputs):
+            raise ScoreAbortedError(f"request {request_id!r} was aborted before every continuation token was rated")
+        return [ScoreOutput.of(o, out.weights_version) for o in out.outputs]
 
     async def abort(self, request_id: str) -> bool:
         """Ends a request with finish_reason "abort"; True if it was in flight."""
@@ -412,6 +438,29 @@ class AsyncEngine:
         """
         return await self._require_control().update_weights(source, mode, partial, stage, allow_non_finite)
 
+    async def pause_generation(self, mode: PauseMode = "abort") -> PauseReport:
+        """Stops generation between two steps until ``resume_generation()`` (vLLM's AsyncLLM call of the
+        same name), e.g. while a trainer pushes new weights.
+
+        ``mode`` says what happens to requests in flight: "abort" ends them and the queued ones
+        (finish_reason "abort"), "wait" finishes them first (requests sent meanwhile wait), "keep"
+        freezes them between two steps with their KV cache, and they continue unchanged on resume.
+        Requests sent while paused are accepted and wait. sleep, wake_up and update_weights work while
+        paused, except the modes that finish requests first (sleep "wait", update_weights "drain",
+        pause "wait"): with requests queued they could never end, so they raise EngineStateError.
+        Pausing again is allowed ("abort" ends what is queued, the others change nothing). A caller
+        cancelled before the pause took hold (e.g. during a "wait" drain) leaves the engine running.
+        """
+        return await self._require_control().pause_generation(mode)
+
+    async def resume_generation(self) -> None:
+        """Lets a paused engine step again: frozen and queued requests go on. A no-op when not paused."""
+        await self._require_control().resume_generation()
+
+    async def is_paused(self) -> bool:
+        """True from a pause_generation() until resume_generation()."""
+        return self._require_core().paused
+
     @property
     def weights_version(self) -> int:
         """+1 per successful weight write; outputs carry the version they were computed with."""
@@ -444,6 +493,7 @@ class AsyncEngine:
             weights_version=core.weights_version,
             requests_held=len(core.held),
             draining=core.draining,
+            paused=core.paused,
             sleeping=tuple(sorted(core.memory.asleep)),
             weights_valid=core.memory.weights_valid,
             max_model_len=self.model_info.max_model_len if self.model_info else None,
@@ -460,40 +510,3 @@ def _make_executor(config: EngineConfig) -> Executor:
     from aioengine.executor.thread import ThreadExecutor
 
     return ThreadExecutor(config)
-
-
-def _apply_chat_template(tokenizer: Any, messages: ChatMessages, request_id: str | None = None) -> list[int]:
-    """``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` as a list of ids
-    (transformers 5 returns a BatchEncoding, 4.x a list), with malformed input refused by name."""
-    where = f"request {request_id!r}: " if request_id is not None else ""
-    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
-        raise InvalidRequestError(f"{where}messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts")
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise InvalidRequestError(f"{where}messages[{i}] is a {type(message).__name__}, not a dict")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise InvalidRequestError(f"{where}messages[{i}] needs a string {key!r}, got {message.get(key)!r}")
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError(
-            f"{where}this model's tokenizer has no chat template, so it cannot take messages; pass a prompt instead"
-        )
-    try:
-        encoded = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=True)
-    except Exception as exc:  # the template's own checks (e.g. roles that must alternate) raise what they like
-        raise InvalidRequestError(f"{where}the chat template refused these messages: {exc}") from exc
-    ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded  # BatchEncoding is a Mapping
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    if ids and isinstance(ids[0], list):  # a batch of one
-        ids = ids[0]
-    return [int(t) for t in ids]
-
-
-def _load_tokenizer(path: str) -> tuple[Any, int]:
-    """The checkpoint's tokenizer and the UTF-8 length of its longest token."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    longest = max((len(token.encode()) for token in tokenizer.get_vocab()), default=1)
-    return tokenizer, max(longest, 1)

@@ -1,8 +1,11 @@
-"""Sleep / wake and hot weight swap: the engine-side control of the workers' memory and weights.
+"""Sleep / wake, hot weight swap, pause / resume: the engine-side control of the workers' memory and
+weights, and of generation itself.
 
 Every operation is one ``EngineCore.control()`` session: it quiesces the loop by a mode chosen
 from the caller's, runs the worker call shielded (a caller that is cancelled or times out does
 not leave the engine half-way), records the outcome in the core's ``MemoryState``, and leaves.
+A pause is the one state that outlives its session (``core.paused``): the loop stays held until
+a resume, and the other calls work under it.
 """
 
 from __future__ import annotations
@@ -39,8 +42,13 @@ UpdateMode = Literal["pause", "drain", "abort", "recompute"]
 weights), "drain" finishes them on the old weights first, "abort" ends them, "recompute" drops their
 KV and recomputes it under the new weights."""
 
+PauseMode = Literal["abort", "wait", "keep"]
+"""Requests in flight at pause_generation: "abort" ends them (and the queued ones), "wait" finishes them
+first (new ones wait), "keep" freezes them between two steps with their KV (they go on unchanged on resume)."""
+
 _SLEEP_QUIESCE: dict[str, QuiesceMode] = {"wait": "drain", "abort": "abort", "keep": "preempt"}
 _UPDATE_QUIESCE: dict[str, QuiesceMode] = {"pause": "pause", "drain": "drain", "abort": "abort", "recompute": "preempt"}
+_PAUSE_QUIESCE: dict[str, QuiesceMode] = {"abort": "abort", "wait": "drain", "keep": "pause"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +61,17 @@ class SleepReport:
     seconds: float
     aborted: int = 0
     preempted: int = 0
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PauseReport:
+    """What ``pause_generation`` did."""
+
+    mode: PauseMode
+    aborted: int
+    seconds: float
+    """From the call to the pause taking hold: the drain ("wait") or the step in flight."""
     notes: tuple[str, ...] = ()
 
 
@@ -84,7 +103,7 @@ class WeightUpdateReport:
 
 
 class EngineControl:
-    """sleep / wake_up / update_weights over one core and its executor."""
+    """sleep / wake_up / update_weights / pause_generation / resume_generation over one core and its executor."""
 
     def __init__(self, core: EngineCore, executor: Executor) -> None:
         self.core = core
@@ -201,3 +220,24 @@ class EngineControl:
             report.pause_seconds,
         )
         return report
+
+    async def pause_generation(self, mode: PauseMode = "abort") -> PauseReport:
+        check_choice("pause mode", mode, PauseMode)
+        core = self.core
+        start = time.perf_counter()
+        async with core.control() as session:
+            was_paused = core.paused
+            await session.quiesce(_PAUSE_QUIESCE[mode])  # "drain" refuses while paused with requests queued
+            core.set_paused(True)  # no await since the quiesce: a cancelled caller paused nothing
+        report = PauseReport(
+            mode, session.aborted, time.perf_counter() - start, ("already paused",) if was_paused else ()
+        )
+        logger.info("generation paused (%s): %d aborted, %.3fs", mode, report.aborted, report.seconds)
+        return report
+
+    async def resume_generation(self) -> None:
+        core = self.core
+        async with core.control():  # after any control call in progress, so it resumes what that call left
+            if core.paused:
+                core.set_paused(False)
+                logger.info("generation resumed")

@@ -6,9 +6,10 @@ default) one step stays queued behind the running one: step N+1 is scheduled and
 soon as step N's outputs are applied (its inputs name N's tokens by placeholder), so the workers
 go from step to step without waiting for the loop; publishing N's outputs overlaps N+1's forward.
 
-Control calls (sleep, wake, weight updates) take ``core.control()``: one at a time, they hold the
-loop between two steps in a defined way (``ControlSession.quiesce``) and run their worker call
-shielded (``ControlSession.run``), and leaving the session always lets the loop go on.
+Control calls (sleep, wake, weight updates, pause / resume) take ``core.control()``: one at a time,
+they hold the loop between two steps in a defined way (``ControlSession.quiesce``) and run their
+worker call shielded (``ControlSession.run``), and leaving the session always lets the loop go on,
+unless the call paused generation (``core.paused``): that holds until a resume.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, Literal, TypeVar
 
-from aioengine.engine.outputs import IncrementalDetokenizer, OutputCollector, RequestOutput
+from aioengine.engine.outputs import IncrementalDetokenizer, OutputCollector
+from aioengine.engine.request_state import RequestKind, RequestState
 from aioengine.engine.state import MemoryState
-from aioengine.errors import EngineDeadError, EngineStateError, RequestAbortedError
+from aioengine.errors import EngineDeadError, EngineStateError, InvalidRequestError, RequestAbortedError
 from aioengine.executor.base import Executor
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput, WorkerWeightsReport
 from aioengine.scheduler.request import Request, RequestStatus
@@ -50,8 +52,8 @@ class ControlSession:
     async def quiesce(self, mode: QuiesceMode) -> None:
         """Stops the loop between two steps; returns once no step is in flight.
 
-        "drain" on an engine that cannot serve (asleep, weights discarded) raises EngineStateError
-        with queued requests, since they could never finish.
+        "drain" on an engine that cannot serve (asleep, weights discarded) or whose generation is paused
+        raises EngineStateError with queued requests, since they could never finish.
         """
         core = self._core
         if mode == "drain":
@@ -59,6 +61,11 @@ class ControlSession:
                 raise EngineStateError(
                     f"cannot drain: {core.memory.why_not_serving()}, so the "
                     f"{len(core.scheduler.requests)} queued requests could never finish; choose another mode"
+                )
+            if core.paused and core.scheduler.has_unfinished_requests():
+                raise EngineStateError(
+                    f"cannot drain: generation is paused (pause_generation), so the {len(core.scheduler.requests)} "
+                    "requests it holds could never finish; call resume_generation() first, or choose another mode"
                 )
             core._hold_admission = True  # new requests wait in `held` until the session ends
             await core._until_idle()
@@ -91,8 +98,10 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.max_queued_steps = 1 if async_scheduling else 0
         """Steps left in flight between two loop turns: the one queued behind the running one."""
-        self.collectors: dict[str, OutputCollector] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.states: dict[str, RequestState] = {}
+        """The output side of every accepted request, by the id it was submitted with."""
+        self._token_texts: dict[int, str] = {}
+        self._vocab_limit = len(tokenizer) if tokenizer is not None else 0
         self.memory = MemoryState()
         self.weights_version = 0
         """The newest weights version a worker reported (the workers count the writes)."""
@@ -105,6 +114,7 @@ class EngineCore:
         """Requests that arrived while a drain holds admission; admitted when the session ends."""
         self._hold_admission = False
         self._quiesced = False
+        self._paused = False
         self._control_lock = asyncio.Lock()
         self._pending: list[tuple[int, list[RequestUpdate]]] = []
         """Applied step outputs not published yet: (weights version, updates) per step."""
@@ -117,49 +127,73 @@ class EngineCore:
         self._task: asyncio.Task[None] | None = None
 
     # ---- requests ----------------------------------------------------------------------------------
-    def add_request(self, request: Request) -> OutputCollector:
+    def add_request(
+        self, request: Request, kind: RequestKind = "generate", num_scored_from: int = 0
+    ) -> OutputCollector:
+        """Accepts a request: ``request`` and the sequences of its group parked in ``request.followers``
+        (its ``n`` samples, or the continuations a score rates). Returns the request's stream."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is not running ({self.dead}); create a new one") from self.dead
         params = request.sampling
+        sequences = [request, *request.followers]
+        held = {r.req_id for leader in self.held for r in (leader, *leader.followers)}
+        taken = next((r.req_id for r in sequences if r.req_id in self.scheduler.requests or r.req_id in held), None)
+        if request.group_id in self.states or taken is not None:
+            raise InvalidRequestError(f"request id {request.group_id!r} is already in flight")
+        detokenizers = [
+            IncrementalDetokenizer(
+                self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+            )
+            for _ in sequences
+        ]
+        state = RequestState(sequences, detokenizers, self.token_text, kind, num_scored_from)
         if self._hold_admission:
             self.held.append(request)
         else:
             self.scheduler.add_request(request)
             self._kick()
-        self.detokenizers[request.req_id] = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
-        )
-        collector = self.collectors[request.req_id] = OutputCollector()
-        return collector
+        self.states[request.group_id] = state
+        return state.collector
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text on its own (for logprobs); cached, since the same tokens come back all the time."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            in_vocab = 0 <= token_id < self._vocab_limit
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id]) if in_vocab else ""
+        return text
 
     def abort(self, req_id: str, notify: bool = True) -> bool:
-        """Finishes a request with reason "abort"; its stream gets a last output if ``notify``."""
-        done = self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
-        held = [r for r in self.held if r.req_id == req_id]
-        for request in held:
-            self.held.remove(request)
-            request.status = RequestStatus.FINISHED_ABORTED
-        done += held
-        for request in done:
-            self._publish(request, [], "", finished=True, notify=notify)
+        """Finishes every unfinished sequence of a request with reason "abort"; its stream gets a last
+        output if ``notify``. False if no such request is in flight."""
+        state = self.states.get(req_id)
+        if state is None:
+            return False
+        sequences = state.sequences
+        self.scheduler.finish_requests([r.req_id for r in sequences], RequestStatus.FINISHED_ABORTED)
+        self.held = [r for r in self.held if r.group_id != req_id]
+        for request in sequences:  # held or parked ones never reached the scheduler's lists
+            if not request.status.is_finished:
+                request.status = RequestStatus.FINISHED_ABORTED
+        if notify:
+            state.collector.put(state.output(self.weights_version))
         self._drop(req_id)
         self._kick()
-        return bool(done)
+        return True
 
     def release_stream(self, req_id: str, collector: OutputCollector) -> None:
         """A stream closed before its last output: aborts its request, if the id is still that stream's
         (a finished request's id may already serve a new request, which must not be touched)."""
-        if self.collectors.get(req_id) is collector:
+        state = self.states.get(req_id)
+        if state is not None and state.collector is collector:
             self.abort(req_id, notify=False)
 
     def abort_all(self) -> int:
         """Aborts every accepted request (each stream ends with finish_reason "abort"); returns how many."""
-        ids = list(self.scheduler.requests) + [r.req_id for r in self.held]
-        return sum(self.abort(req_id) for req_id in ids)
+        return sum(self.abort(req_id) for req_id in list(self.states))
 
     def _drop(self, req_id: str) -> None:
-        self.collectors.pop(req_id, None)
-        self.detokenizers.pop(req_id, None)
+        self.states.pop(req_id, None)
 
     # ---- control -------------------------------------------------------------------------------------
     @property
@@ -168,8 +202,13 @@ class EngineCore:
         return self._hold_admission and not self._quiesced
 
     @property
+    def paused(self) -> bool:
+        """Generation is paused (pause_generation) until resume_generation: no step runs, requests wait."""
+        return self._paused
+
+    @property
     def can_step(self) -> bool:
-        return not self._quiesced and self.memory.can_serve
+        return not self._quiesced and not self._paused and self.memory.can_serve
 
     @contextlib.asynccontextmanager
     async def control(self) -> AsyncIterator[ControlSession]:
@@ -201,6 +240,11 @@ class EngineCore:
             self.scheduler.add_request(request)
         self._kick()
         self._control_lock.release()
+
+    def set_paused(self, paused: bool) -> None:
+        """Records a pause or resume of generation (inside its control session); outlives the session."""
+        self._paused = paused
+        self._kick()
 
     def set_memory(self, memory: MemoryState) -> None:
         """Records what a control call did to the workers' memory (only after the call succeeded)."""
@@ -282,70 +326,53 @@ class EngineCore:
         self._pending.append((output.weights_version, self.scheduler.update_from_output(sched, output)))
 
     def _flush(self) -> None:
-        """Publishes the updates of the applied steps (detokenizing, applying stop strings)."""
+        """Publishes the updates of the applied steps (detokenizing, applying stop strings): one output
+        per request and step, whatever number of its sequences the step advanced."""
         pending, self._pending = self._pending, []
         for version, updates in pending:
+            touched: dict[str, RequestState] = {}
             for update in updates:
-                self._publish_update(update, version)
+                state = self._apply_update(update)
+                if state is not None:
+                    touched[state.request_id] = state
+            for state in touched.values():
+                if state.kind == "score" and not state.finished:
+                    continue  # a score is one output, once every continuation is rated
+                state.collector.put(state.output(version))
+                if state.finished:
+                    self._drop(state.request_id)
 
-    def _publish_update(self, update: RequestUpdate, weights_version: int) -> None:
+    def _apply_update(self, update: RequestUpdate) -> RequestState | None:
+        """Feeds one sequence's new tokens to its request's output state; None if nobody waits for them."""
         request = update.request
-        self.num_generated_tokens += len(update.new_token_ids)
-        detok = self.detokenizers.get(request.req_id)
-        if detok is None or request.status == RequestStatus.FINISHED_ABORTED:
-            return  # aborted after this update was made; its stream already ended
-        delta, hit = detok.add(update.new_token_ids, update.finished)
+        state = self.states.get(request.group_id)
+        if state is None or state.kind == "generate":  # a score's one argmax is not generated text
+            self.num_generated_tokens += len(update.new_token_ids)
+        if (
+            state is None
+            or state.samples[request.sample_index].request is not request
+            or request.status == RequestStatus.FINISHED_ABORTED
+        ):
+            return None  # aborted after this update was made (its stream already ended), or an old id
+        hit = state.add(request, update.new_token_ids, update.finished, update.logprobs)
         if hit is not None:
             request.stop_reason = hit
             if not update.finished:
                 self.scheduler.finish_requests([request.req_id], RequestStatus.FINISHED_STOPPED)
             else:
                 request.status = RequestStatus.FINISHED_STOPPED
-        finished = request.status.is_finished
-        self._publish(request, update.new_token_ids, delta, finished, weights_version=weights_version)
-        if finished:
-            self._drop(request.req_id)
-
-    def _publish(
-        self,
-        request: Request,
-        new_ids: list[int],
-        delta: str,
-        finished: bool,
-        notify: bool = True,
-        weights_version: int | None = None,
-    ) -> None:
-        collector = self.collectors.get(request.req_id)
-        detok = self.detokenizers.get(request.req_id)
-        if collector is None or not notify:
-            return
-        collector.put(
-            RequestOutput(
-                request_id=request.req_id,
-                prompt_token_ids=request.prompt_token_ids,
-                token_ids=request.output_token_ids,
-                text=detok.text if detok else "",
-                delta_text=delta,
-                delta_token_ids=list(new_ids),
-                finished=finished,
-                finish_reason=request.finish_reason,
-                stop_reason=request.stop_reason,
-                weights_version=self.weights_version if weights_version is None else weights_version,
-                num_preemptions=request.num_preemptions,
-            )
-        )
+        return state
 
     def fail(self, error: BaseException, cause: BaseException | None = None) -> None:
         """Marks the engine dead and ends every stream with ``error``."""
         if self.dead is None:
             self.dead = error
         error.__cause__ = cause
-        for req_id, collector in self.collectors.items():
+        for req_id, state in self.states.items():
             aborted = RequestAbortedError(f"request {req_id!r} did not finish: {error}")
             aborted.__cause__ = error
-            collector.put(aborted)
-        self.collectors.clear()
-        self.detokenizers.clear()
+            state.collector.put(aborted)
+        self.states.clear()
         self.held.clear()
         self._pending = []
         self._inflight.clear()

@@ -8,23 +8,124 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """One token's log-probability at one position, as vLLM returns it."""
+
+    logprob: float
+    rank: int
+    """1 for the most likely token; the chosen token's rank counts every token at least as likely."""
+    decoded_token: str
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+"""Per generated token: token id -> Logprob, the chosen token and the top k."""
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""Per prompt token likewise; the first is None (nothing precedes it)."""
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One generated sequence of a request (one of its ``n`` samples); ``token_ids`` and ``text`` are
+    cumulative, ``delta_*`` are new since the request's last output."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    """"stop" | "length" | "abort", once this sequence finished."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the sequence, if one did."""
+    logprobs: SampleLogprobs | None = None
+    """One entry per token of ``token_ids`` when ``SamplingParams.logprobs`` is set."""
+    cumulative_logprob: float | None = None
+    """Sum of the chosen tokens' logprobs (with ``logprobs`` set)."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 @dataclass(slots=True)
 class RequestOutput:
-    """One update of a request; ``token_ids`` and ``text`` are cumulative, ``delta_*`` are new since the last."""
+    """One update of a request: ``outputs`` holds each of its ``n`` sequences (vLLM's layout).
+
+    The flat fields (``token_ids``, ``text``, ``delta_text``, ``finish_reason``, ...) are those of
+    ``outputs[0]``: the whole answer when ``n == 1``.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    delta_text: str
-    delta_token_ids: list[int]
+    outputs: list[CompletionOutput]
     finished: bool
-    finish_reason: str | None = None
-    """"stop" | "length" | "abort", once finished."""
-    stop_reason: int | str | None = None
-    """The stop token id or stop string that ended the request, if one did."""
+    """Every sequence finished."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """With ``SamplingParams.prompt_logprobs``: one entry per prompt token (given from the first output on)."""
     weights_version: int = 0
     num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def delta_text(self) -> str:
+        return self.outputs[0].delta_text
+
+    @property
+    def delta_token_ids(self) -> list[int]:
+        return self.outputs[0].delta_token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> SampleLogprobs | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return self.outputs[0].cumulative_logprob
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreOutput:
+    """One continuation rated by ``AsyncEngine.score``."""
+
+    token_ids: list[int]
+    """The continuation's tokens."""
+    logprobs: list[float]
+    """Each token's logprob given the prompt and the continuation's tokens before it."""
+    ranks: list[int]
+    total: float
+    """The sum of ``logprobs``: the continuation's log-likelihood."""
+    top_logprobs: SampleLogprobs
+    """Per token: the token's own entry and the ``top_logprobs`` most likely ones."""
+    weights_version: int = 0
+
+    @staticmethod
+    def of(output: CompletionOutput, weights_version: int) -> ScoreOutput:
+        entries = output.logprobs or []
+        own = [entry[token] for entry, token in zip(entries, output.token_ids, strict=True)]
+        return ScoreOutput(
+            token_ids=output.token_ids,
+            logprobs=[lp.logprob for lp in own],
+            ranks=[lp.rank for lp in own],
+            total=sum(lp.logprob for lp in own),
+            top_logprobs=entries,
+            weights_version=weights_version,
+        )
 
 
 class IncrementalDetokenizer:
@@ -123,8 +224,9 @@ class OutputCollector:
         if isinstance(last, BaseException):
             return
         if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and _same_weights(last, item):
-            item.delta_text = last.delta_text + item.delta_text
-            item.delta_token_ids = last.delta_token_ids + item.delta_token_ids
+            for older, newer in zip(last.outputs, item.outputs, strict=True):
+                newer.delta_text = older.delta_text + newer.delta_text
+                newer.delta_token_ids = older.delta_token_ids + newer.delta_token_ids
             pending.pop()
         pending.append(item)
         self._ready.set()

@@ -39,10 +39,29 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    group_id: str = ""
+    """The id of the request the caller submitted (``req_id`` unless it asked for several samples)."""
+    sample_index: int = 0
+    """Which of the group's sequences this is (the n samples, or the continuations being scored)."""
+    num_shared_tokens: int = 0
+    """The group's common prefix, which the first sequence computes once for all: the prompt but its
+    last token (every sequence computes that one itself, for its own logits)."""
+    followers: list[Request] = field(default_factory=list)
+    """The group's other sequences, parked here until this one's first ``num_shared_tokens`` tokens are
+    scheduled; then they share those blocks and run on their own."""
+    leader: Request | None = None
+    """Set while this sequence is parked in ``leader.followers``."""
+    prompt_logprobs_from: int | None = None
+    """Known tokens from this position on (up to the prompt's end) get logprobs; None: none do."""
+    prompt_logprobs_k: int = 0
+    prompt_logprobs: dict[int, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)
+    """Logprobs of the known tokens so far by position: (token ids, logprobs, ranks), the token's own first."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if not self.group_id:
+            self.group_id = self.req_id
 
     @property
     def num_prompt_tokens(self) -> int:

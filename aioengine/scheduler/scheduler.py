@@ -5,6 +5,11 @@ arrival order; then waiting requests are admitted while the budget, ``max_num_se
 blocks allow. When blocks run out, the most recently admitted running request is preempted:
 its blocks are freed and it goes back to the front of the queue to be recomputed later, so no
 request is ever lost and the oldest request always makes progress (no deadlock).
+
+A group of sequences with one prompt (``n`` samples, or the continuations ``score`` rates) is
+admitted as its first sequence, the leader, with the others parked on it. Once the leader's step
+covers the shared prefix, the others start from it holding the same blocks (reference-counted);
+whoever writes into a block it shares gets a copy first (copy-on-write, ``blocks_to_copy``).
 """
 
 from __future__ import annotations
@@ -14,7 +19,14 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from aioengine.messages import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from aioengine.messages import (
+    PLACEHOLDER_TOKEN_ID,
+    LogprobRows,
+    ModelRunnerOutput,
+    PromptLogprobsSpec,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from aioengine.scheduler.kv_manager import KVBlockManager
 from aioengine.scheduler.request import Request, RequestStatus
 
@@ -26,6 +38,8 @@ class RequestUpdate:
     request: Request
     new_token_ids: list[int]
     finished: bool
+    logprobs: LogprobRows | None = None
+    """The new token's logprobs, if the request asked for them."""
 
 
 class Scheduler:
@@ -51,15 +65,22 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._step_ids = itertools.count()
-        self._scheduled: dict[int, dict[str, Request]] = {}
-        """Step id -> the requests it ran, until its outputs are applied: a request aborted while its step
-        ran may come back under the same id, and the old step's token must not reach the new one."""
+        self._scheduled: dict[int, dict[str, tuple[Request, int]]] = {}
+        """Step id -> the requests it ran and their preemption counts, until its outputs are applied: a
+        request aborted while its step ran may come back under the same id, and one preempted may be running
+        again from a recompute; the old step's token must reach neither."""
         self.num_preemptions = 0
 
     # ---- queue ---------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.req_id in self.requests:
-            raise ValueError(f"request id {request.req_id!r} is already in flight")
+        """Queues a request, and the sequences of its group parked in ``request.followers``."""
+        group = [request, *request.followers]
+        taken = [r.req_id for r in group if r.req_id in self.requests]
+        if taken or len({r.req_id for r in group}) < len(group):
+            raise ValueError(f"request id {(taken or [request.req_id])[0]!r} is already in flight")
+        for follower in request.followers:
+            follower.leader = request
+            self.requests[follower.req_id] = follower
         self.requests[request.req_id] = request
         self.waiting.append(request)
 
@@ -72,6 +93,9 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.leader is not None:
+                request.leader.followers.remove(request)
+                request.leader = None
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -88,13 +112,15 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Sequences not running: queued, preempted, or parked on their group's leader."""
+        return len(self.requests) - len(self.running)
 
     # ---- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted = False
+        kv = self.kv
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -102,7 +128,8 @@ class Scheduler:
             if num_new <= 0 or self._ends_in_flight(request):
                 i += 1  # the step in flight samples its last token: nothing more to run
                 continue
-            while not self.kv.allocate(request, request.num_computed_tokens + num_new):
+            start = request.num_computed_tokens
+            while not kv.allocate(request, start + num_new, write_from=start):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -115,24 +142,45 @@ class Scheduler:
                 continue
             break  # the request itself was preempted; everything after it already was
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        seats = sum(1 + len(r.followers) for r in self.running)  # parked sequences run once their group forks
+        while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
-            remaining = len(request.token_ids) - request.num_computed_tokens
+            if seats + 1 + len(request.followers) > self.max_num_seqs:
+                break
+            start = request.num_computed_tokens
+            remaining = len(request.token_ids) - start
             num_new = min(remaining, budget)
             if num_new < remaining and not self.enable_chunked_prefill:
                 break
-            if not self.kv.allocate(request, request.num_computed_tokens + num_new):
+            if not kv.allocate(request, start + num_new, write_from=start):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            seats += 1 + len(request.followers)
             scheduled.append((request, num_new))
             budget -= num_new
 
         step_id = next(self._step_ids)
         if scheduled:
-            self._scheduled[step_id] = {r.req_id: r for r, _ in scheduled}
-        return SchedulerOutput(step_id=step_id, requests=[self._describe(r, n) for r, n in scheduled])
+            self._scheduled[step_id] = {r.req_id: (r, r.num_preemptions) for r, _ in scheduled}
+        described = [self._describe(r, n) for r, n in scheduled]
+        for request, _ in scheduled:
+            if request.followers and request.num_computed_tokens >= request.num_shared_tokens:
+                self._fork(request)
+        return SchedulerOutput(step_id=step_id, requests=described, blocks_to_copy=kv.take_copies())
+
+    def _fork(self, leader: Request) -> None:
+        """The leader's step computes the group's shared prefix: its parked sequences start from there,
+        holding the prefix's blocks, and run from the next step on."""
+        shared = leader.num_shared_tokens
+        for follower in leader.followers:
+            follower.leader = None
+            self.kv.share(leader, follower, shared)
+            follower.num_computed_tokens = shared
+            follower.status = RequestStatus.RUNNING
+            self.running.append(follower)
+        leader.followers = []
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether a token still to come back reaches the request's length limit (async scheduling)."""
@@ -148,6 +196,7 @@ class Scheduler:
         end = start + num_new
         known = request.token_ids[start:end]
         samples = end == len(request.token_ids) + request.num_placeholders
+        uses_history = samples and request.sampling.uses_history
         scheduled = ScheduledRequest(
             req_id=request.req_id,
             # past the known tokens: the one the step in flight samples
@@ -156,23 +205,44 @@ class Scheduler:
             block_ids=list(request.block_ids),
             sampling=request.sampling if samples else None,
             output_index=request.num_output_tokens + request.num_placeholders,
+            sample_index=request.sample_index,
+            history=request.token_ids[:start] if uses_history else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            prompt_logprobs=self._prompt_logprobs_spec(request, start, end),
         )
         request.num_computed_tokens = end
         request.num_placeholders += samples
         return scheduled
 
+    @staticmethod
+    def _prompt_logprobs_spec(request: Request, start: int, end: int) -> PromptLogprobsSpec | None:
+        """The known tokens whose logprobs the step computing ``[start, end)`` can give and nobody has yet:
+        those at positions ``start + 1 .. end`` (the last from the step's last logits) within the prompt."""
+        if request.prompt_logprobs_from is None:
+            return None
+        first = max(start + 1, request.prompt_logprobs_from + len(request.prompt_logprobs))
+        last = min(end + 1, request.num_prompt_tokens)
+        if first >= last:
+            return None
+        return PromptLogprobsSpec(request.prompt_logprobs_k, first, request.token_ids[first:last])
+
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Appends the sampled tokens (in place of their placeholders) and applies stop conditions."""
         updates = []
-        ran = self._scheduled.pop(sched.step_id, {})
+        ran = {
+            req_id: request
+            for req_id, (request, preemptions) in self._scheduled.pop(sched.step_id, {}).items()
+            if request.num_preemptions == preemptions and self.requests.get(req_id) is request
+        }
+        for req_id, rows in (output.prompt_logprobs or {}).items():
+            request = ran.get(req_id)
+            if request is not None:
+                for i, token_ids in enumerate(rows.token_ids):  # a recomputed position keeps its first row
+                    request.prompt_logprobs.setdefault(rows.first_pos + i, (token_ids, rows.logprobs[i], rows.ranks[i]))
+        logprobs = output.logprobs or {}
         for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
             request = ran.get(req_id)
-            if (
-                request is None
-                or self.requests.get(req_id) is not request
-                or request.status != RequestStatus.RUNNING
-                or not request.num_placeholders
-            ):
+            if request is None or request.status != RequestStatus.RUNNING or not request.num_placeholders:
                 continue  # aborted, finished or preempted while the step ran: the token is dropped
             request.num_placeholders -= 1
             request.token_ids.append(token)
@@ -181,7 +251,7 @@ class Scheduler:
                 self.running.remove(request)
                 request.status = status
                 self._release(request)
-            updates.append(RequestUpdate(request, [token], status is not None))
+            updates.append(RequestUpdate(request, [token], status is not None, logprobs.get(req_id)))
         return updates
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
@@ -217,3 +287,11 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.kv.free(request)
         del self.requests[request.req_id]
+        if request.followers:  # ended before its group forked (aborted): the next sequence leads
+            leader, *rest = request.followers
+            leader.leader = None
+            leader.followers = rest
+            for follower in rest:
+                follower.leader = leader
+            request.followers = []
+            self.waiting.appendleft(leader)

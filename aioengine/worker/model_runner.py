@@ -18,8 +18,10 @@ import torch
 from aioengine.messages import (
     PLACEHOLDER_TOKEN_ID,
     KVCacheConfig,
+    LogprobRows,
     ModelInfo,
     ModelRunnerOutput,
+    PromptLogprobsSpec,
     ScheduledRequest,
     SchedulerOutput,
 )
@@ -33,7 +35,7 @@ from aioengine.model.loader import (
     resolve_dtype,
     resolve_max_model_len,
 )
-from aioengine.sampling.sampler import Sampler, SamplingMetadata
+from aioengine.sampling.sampler import Sampler, SamplingMetadata, gather_logprobs
 from aioengine.worker.cache_engine import CacheEngine
 from aioengine.worker.graphs import PaddedDecodeRunner, default_capture_sizes
 
@@ -48,7 +50,10 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
+    """Rows of the logits the model computes: one per sampling request, then one per known token whose
+    logprob a request asked for (``prompt_reqs``, in order)."""
     sample_reqs: list[ScheduledRequest]
+    prompt_reqs: list[ScheduledRequest]
 
 
 class ModelRunner:
@@ -68,7 +73,9 @@ class ModelRunner:
         self.decode_runner: PaddedDecodeRunner | None = None
         self.kv_cache_config: KVCacheConfig | None = None
         self.info: ModelInfo | None = None
-        self._pending: tuple[int, torch.Tensor, list[ScheduledRequest], float] | None = None
+        self._pending: tuple[int, torch.Tensor, list[ScheduledRequest], float, dict[str, LogprobRows] | None] | None = (
+            None
+        )
         self._last_sampled: dict[str, int] = {}
         """Tokens the last sampling step chose, by request: what ``PLACEHOLDER_TOKEN_ID`` stands for."""
         self.decode_kernel: Callable[..., None] | None = None
@@ -275,20 +282,33 @@ class ModelRunner:
             decode_context_lens=decode_lens,
         )
         input_ids = torch.tensor([t for r in reqs for t in r.token_ids], device=dev)
+        indices = cu[sample_rows] - 1
+        prompt_rows = [i for i, r in enumerate(reqs) if r.prompt_logprobs is not None]
+        if prompt_rows:
+            extra = []
+            for i in prompt_rows:
+                spec = reqs[i].prompt_logprobs
+                assert spec is not None
+                first = int(cu[i] - lens[i]) + spec.first_pos - 1 - reqs[i].start_pos
+                extra.append(torch.arange(first, first + len(spec.token_ids)))
+            indices = torch.cat([indices, *extra])
         return StepInputs(
-            input_ids, positions.to(dev), meta, (cu[sample_rows] - 1).to(dev), [reqs[i] for i in sample_rows]
+            input_ids,
+            positions.to(dev),
+            meta,
+            indices.to(dev),
+            [reqs[i] for i in sample_rows],
+            [reqs[i] for i in prompt_rows],
         )
 
-    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> None:
-        """Rows still short of ``min_tokens`` cannot pick EOS or a stop id (as in vLLM)."""
-        for row, req in enumerate(reqs):
-            params = req.sampling
-            if params is None or req.output_index >= params.min_tokens:
-                continue
-            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
-            banned = [t for t in banned if t < logits.shape[-1]]
-            if banned:
-                logits[row, banned] = float("-inf")
+    def _banned_before_min_tokens(self, req: ScheduledRequest) -> list[int] | None:
+        """A row still short of ``min_tokens`` cannot pick EOS or a stop id (as in vLLM)."""
+        params = req.sampling
+        if params is None or req.output_index >= params.min_tokens:
+            return None
+        banned = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
+        vocab = self.model_info().vocab_size
+        return [t for t in banned if t < vocab] or None
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -301,6 +321,7 @@ class ModelRunner:
             return ModelRunnerOutput(sched.step_id, [], [])
         sched = self._fill_placeholders(sched)
         reqs = sched.requests
+        prompt_logprobs = None
         if self._fits_decode_runner(reqs):
             logits, sample_reqs = self._run_padded_decode(reqs)
         else:
@@ -309,9 +330,14 @@ class ModelRunner:
                 inputs.input_ids, inputs.positions, self.cache_engine.device_cache, inputs.meta, inputs.logits_indices
             )
             sample_reqs = inputs.sample_reqs
+            if inputs.prompt_reqs:
+                prompt_logprobs = _known_token_logprobs(logits[len(sample_reqs) :], inputs.prompt_reqs)
+                logits = logits[: len(sample_reqs)]
         if not sample_reqs:
-            return ModelRunnerOutput(sched.step_id, [], [], time.perf_counter() - start)
-        self._pending = (sched.step_id, logits, sample_reqs, start)
+            return ModelRunnerOutput(
+                sched.step_id, [], [], time.perf_counter() - start, prompt_logprobs=prompt_logprobs
+            )
+        self._pending = (sched.step_id, logits, sample_reqs, start, prompt_logprobs)
         return None
 
     @property
@@ -325,17 +351,31 @@ class ModelRunner:
         """Samples the rows the last ``execute_model`` left; one token per sampling request."""
         if self._pending is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model() that left rows to sample")
-        step_id, logits, reqs, start = self._pending
+        step_id, logits, reqs, start, prompt_logprobs = self._pending
         self._pending = None
-        self._suppress_stops_before_min_tokens(logits, reqs)
+        params = [r.sampling for r in reqs]
+        assert all(p is not None for p in params)
         meta = SamplingMetadata.build(
-            [r.sampling for r in reqs],  # type: ignore[misc]
+            params,  # type: ignore[arg-type]
             [r.output_index for r in reqs],
             self.device,
+            vocab_size=logits.shape[-1],
+            sample_indices=[r.sample_index for r in reqs],
+            histories=[(r.history + r.token_ids, r.num_prompt_tokens) if r.history is not None else None for r in reqs],
+            banned=[self._banned_before_min_tokens(r) for r in reqs],
+            processed=any(p is not None and p.logprobs is not None and p.logprobs_mode == "processed" for p in params),
         )
-        tokens = self.sampler(logits, meta).tolist()
+        sampled = self.sampler(logits, meta)
+        tokens = sampled.token_ids.tolist()
         self._last_sampled = {r.req_id: token for r, token in zip(reqs, tokens, strict=True)}
-        return ModelRunnerOutput(step_id, [r.req_id for r in reqs], tokens, time.perf_counter() - start)
+        return ModelRunnerOutput(
+            step_id,
+            [r.req_id for r in reqs],
+            tokens,
+            time.perf_counter() - start,
+            logprobs=_sampled_logprobs(logits, sampled.processed_logits, sampled.token_ids, reqs),
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def _fill_placeholders(self, sched: SchedulerOutput) -> SchedulerOutput:
         """Puts the tokens the previous step sampled in place of their placeholders (async scheduling)."""
@@ -356,7 +396,11 @@ class ModelRunner:
 
     def _fits_decode_runner(self, reqs: list[ScheduledRequest]) -> bool:
         runner = self.decode_runner
-        return runner is not None and len(reqs) <= runner.max_batch_size and all(len(r.token_ids) == 1 for r in reqs)
+        return (
+            runner is not None
+            and len(reqs) <= runner.max_batch_size
+            and all(len(r.token_ids) == 1 and r.prompt_logprobs is None for r in reqs)
+        )
 
     def _run_padded_decode(self, reqs: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
         assert self.decode_runner is not None
@@ -377,3 +421,47 @@ def _on_device(
     groups: list[tuple[list[int], int]] | None, device: torch.device
 ) -> list[tuple[torch.Tensor, int]] | None:
     return None if groups is None else [(torch.tensor(rows, device=device), width) for rows, width in groups]
+
+
+def _rows(first_pos: int, ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor, k: int) -> LogprobRows:
+    """``LogprobRows`` of the first ``1 + k`` columns of ``gather_logprobs``'s tensors."""
+    return LogprobRows(first_pos, ids[:, : 1 + k].tolist(), values[:, : 1 + k].tolist(), ranks[:, : 1 + k].tolist())
+
+
+def _known_token_logprobs(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> dict[str, LogprobRows]:
+    """Logprobs of the known tokens of each request's ``PromptLogprobsSpec``: ``logits`` holds, request after
+    request, the rows of the positions before them. Always log-softmax of the model's logits."""
+    specs: list[PromptLogprobsSpec] = [r.prompt_logprobs for r in reqs]  # type: ignore[misc]
+    chosen = torch.tensor([t for spec in specs for t in spec.token_ids], device=logits.device)
+    k = max(spec.k for spec in specs)
+    ids, values, ranks = gather_logprobs(logits.float().log_softmax(dim=-1), chosen, k)
+    out = {}
+    row = 0
+    for req, spec in zip(reqs, specs, strict=True):
+        end = row + len(spec.token_ids)
+        out[req.req_id] = _rows(spec.first_pos, ids[row:end], values[row:end], ranks[row:end], spec.k)
+        row = end
+    return out
+
+
+def _sampled_logprobs(
+    raw: torch.Tensor, processed: torch.Tensor | None, tokens: torch.Tensor, reqs: list[ScheduledRequest]
+) -> dict[str, LogprobRows] | None:
+    """The sampled tokens' logprobs for the rows that asked, from the raw or the processed logits per row."""
+    asked = {i: r.sampling for i, r in enumerate(reqs) if r.sampling is not None and r.sampling.logprobs is not None}
+    if not asked:
+        return None
+    out: dict[str, LogprobRows] = {}
+    for mode, source in (("raw", raw), ("processed", processed)):
+        ks = {i: p.logprobs for i, p in asked.items() if p.logprobs_mode == mode and p.logprobs is not None}
+        if not ks:
+            continue
+        assert source is not None, "processed logprobs asked for but the sampler kept no processed logits"
+        rows = list(ks)
+        index = torch.tensor(rows, device=source.device)
+        ids, values, ranks = gather_logprobs(source[index].float().log_softmax(dim=-1), tokens[index], max(ks.values()))
+        for j, i in enumerate(rows):
+            req = reqs[i]
+            position = req.start_pos + len(req.token_ids)
+            out[req.req_id] = _rows(position, ids[j : j + 1], values[j : j + 1], ranks[j : j + 1], ks[i])
+    return out
