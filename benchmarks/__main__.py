@@ -15,6 +15,7 @@ import sys
 
 COMMANDS = {
     "throughput": "aioengine vs HF transformers: offline tokens/s, floors, online latency",
+    "grpo": "an RL rollout (prompts x n samples): n = 8 vs separate requests vs HF, tokens/s, KV blocks",
     "sleep_wake": "sleep and wake seconds per level beside a memcpy floor",
     "weight_swap": "hot weight swap seconds and stream gaps beside disk floors",
 }

@@ -23,7 +23,7 @@ def _load(cores: float | None) -> str:
     return "-" if cores is None else f"{cores:.2f}"
 
 
-def _ratio(ours: float | None, theirs: float | None) -> str:
+def ratio(ours: float | None, theirs: float | None) -> str:
     return f"{ours / theirs:.2f}x" if ours and theirs else "-"
 
 
@@ -36,7 +36,7 @@ def best_static(systems: list[SystemResult]) -> SystemResult | None:
     return dataclasses.replace(best, name=f"HF generate, best static ({best.name.rsplit(' ', 1)[-1]})")
 
 
-def _table(head: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> list[str]:
+def table(head: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> list[str]:
     """Markdown lines; the columns in ``left`` left-aligned, the others (numbers) right."""
     align = ["---" if i in left else "---:" for i in range(len(head))]
     return [f"| {' | '.join(cells)} |" for cells in [head, align, *rows]]
@@ -49,14 +49,14 @@ def systems_table(run: EngineRun, systems: list[SystemResult]) -> list[str]:
     if (best := best_static(systems)) is not None:
         rows.append(best)
     head = ["system", "output tokens/s", "seconds", "aioengine / system", "other load (cores)", "note"]
-    return _table(
+    return table(
         head,
         [
             [
                 s.name,
                 "not available" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}",
                 "-" if s.seconds is None else f"{s.seconds:.2f}",
-                _ratio(ours, s.tokens_per_s),
+                ratio(ours, s.tokens_per_s),
                 _load(s.others_load),
                 s.note,
             ]
@@ -89,7 +89,7 @@ def time_table(run: EngineRun, floors: Floors | None) -> list[str]:
         ]
     rows.append(["event loop lag p99 at full load (5 ms ticker)", f"{_ms(run.loop_lag_p99)} ms", "-"])
     rows.append(["event loop lag p99, engine idle (timer noise)", f"{_ms(run.idle_loop_lag_p99)} ms", "-"])
-    return _table(["aioengine offline: where the time went", "seconds", "share of wall"], rows)
+    return table(["aioengine offline: where the time went", "seconds", "share of wall"], rows)
 
 
 def online_table(online: list[OnlineResult]) -> list[str]:
@@ -105,7 +105,7 @@ def online_table(online: list[OnlineResult]) -> list[str]:
         "loop lag p99 ms",
         "other load",
     ]
-    return _table(
+    return table(
         head,
         [
             [
