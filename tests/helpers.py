@@ -61,8 +61,11 @@ async def wait_until_idle(engine: AsyncEngine, timeout: float = 5.0) -> EngineSt
     return engine.stats()
 
 
-def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int | list[int]) -> list[list[int]]:
-    """HF transformers' greedy continuation of each prompt (one at a time, no padding), EOS ignored."""
+def hf_generate(
+    model: Any, prompts: list[list[int]], new_tokens: int | list[int], **generate_kwargs: Any
+) -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt (one at a time, no padding), EOS ignored;
+    ``generate_kwargs`` go to ``model.generate`` (e.g. ``repetition_penalty``)."""
     import torch
 
     counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
@@ -83,6 +86,7 @@ def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int | list[int
                 # EOS out of the logits and pick the runner-up. Without an EOS id HF does the former.
                 eos_token_id=None,
                 pad_token_id=model.config.pad_token_id,
+                **generate_kwargs,
             )
             outputs.append(out[0, len(prompt) :].tolist())
     return outputs

@@ -268,17 +268,7 @@ def counts(tokens: list[int], vocab: int) -> torch.Tensor:
 
 
 async def test_repetition_penalty_gives_hfs_greedy_tokens(llama_engine: AsyncEngine, hf_model: Any) -> None:
-    with torch.inference_mode():
-        expected = hf_model.generate(
-            torch.tensor([PROMPT]),
-            attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=24,
-            min_new_tokens=24,
-            eos_token_id=None,
-            repetition_penalty=1.3,
-            pad_token_id=hf_model.config.pad_token_id,
-        )[0, len(PROMPT) :].tolist()
+    expected = hf_generate(hf_model, [PROMPT], 24, repetition_penalty=1.3)[0]
     out = await final(llama_engine, PROMPT, SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3))
     plain = await final(llama_engine, PROMPT, SamplingParams(temperature=0, max_tokens=24))
     assert out.token_ids == expected

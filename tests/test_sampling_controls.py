@@ -15,6 +15,7 @@ import torch
 
 from aioengine.sampling.params import SamplingParams
 from aioengine.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs, row_seed
+from tests.helpers import hf_generate
 
 V = 12
 ROW = [2.0, -1.0, 0.5, 3.0, -2.5, 0.0, 1.5, -0.5, 2.75, -3.0, 1.0, 0.25]
@@ -332,30 +333,20 @@ def test_greedy_with_repetition_penalty_equals_hf_generate(llama_ckpt: Path):
 
     model = AutoModelForCausalLM.from_pretrained(str(llama_ckpt), dtype=torch.float32).eval()
     prompt, new_tokens, penalty = [5, 17, 5, 300, 17, 42], 16, 1.3
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        hf = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            repetition_penalty=penalty,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            eos_token_id=None,
-            pad_token_id=model.config.pad_token_id,
-        )[0, len(prompt) :].tolist()
+    hf = hf_generate(model, [prompt], new_tokens, repetition_penalty=penalty)[0]
 
-        def decode(repetition_penalty: float) -> list[int]:
-            out: list[int] = []
-            for _ in range(new_tokens):
-                seq = prompt + out
-                logits = model(torch.tensor([seq])).logits[:, -1].float()
-                params = SamplingParams(temperature=0, repetition_penalty=repetition_penalty)
-                out.append(int(run([params], logits, histories=[(seq, len(prompt))], processed=False).token_ids[0]))
-            return out
+    @torch.inference_mode()
+    def decode(repetition_penalty: float) -> list[int]:
+        out: list[int] = []
+        for _ in range(new_tokens):
+            seq = prompt + out
+            logits = model(torch.tensor([seq])).logits[:, -1].float()
+            params = SamplingParams(temperature=0, repetition_penalty=repetition_penalty)
+            out.append(int(run([params], logits, histories=[(seq, len(prompt))], processed=False).token_ids[0]))
+        return out
 
-        assert decode(penalty) == hf
-        assert decode(1.0) != hf  # the penalty changed the path
+    assert decode(penalty) == hf
+    assert decode(1.0) != hf  # the penalty changed the path
 
 
 def _batch(controlled: SamplingParams | None) -> tuple[list[SamplingParams], list[tuple[list[int], int] | None]]:
