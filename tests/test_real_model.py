@@ -273,7 +273,9 @@ def test_eos_ends_a_chat_answer_with_finish_reason_stop(
 ) -> None:
     async def answer() -> Any:
         last = None
-        async for out in engine.generate(messages=CONVERSATIONS[0], params=SamplingParams(max_tokens=64)):
+        async for out in engine.generate(
+            messages=CONVERSATIONS[0], params=SamplingParams(max_tokens=64, temperature=0)
+        ):
             last = out
         return last
 
