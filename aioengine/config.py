@@ -123,6 +123,11 @@ class CacheConfig(_Section):
         description="Fraction of device memory (0 < x <= 1) the engine may use on CUDA, KV cache included.",
     )
     cache_dtype: DType = Field("auto", description="KV cache dtype. 'auto' uses the model dtype.")
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Reuse the KV of full blocks that an earlier request computed for the same leading tokens "
+        "(system prompts, chat history, the same prompt again); emptied on every weight write and sleep.",
+    )
 
     @field_validator("block_size")
     @classmethod

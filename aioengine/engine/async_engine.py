@@ -70,10 +70,20 @@ class EngineStats:
     sleeping: tuple[str, ...] = ()
     weights_valid: bool = True
     max_model_len: int | None = None
+    prefix_cache_queries: int = 0
+    """Prompt tokens of admitted requests that looked up the prefix cache (a preempted one counts again)."""
+    prefix_cache_hits: int = 0
+    """Of those, the tokens whose KV was reused instead of computed."""
+    prefix_cache_blocks: int = 0
+    """Blocks holding a cached prefix now (held by requests or free, reused when needed)."""
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values (for logs, metrics, HTTP)."""
-        return asdict(self)
+        return {**asdict(self), "prefix_cache_hit_rate": self.prefix_cache_hit_rate}
 
 
 class AsyncEngine:
@@ -163,6 +173,7 @@ class AsyncEngine:
             max_model_len=info.max_model_len,
             eos_token_ids=info.eos_token_ids,
             enable_chunked_prefill=sched.enable_chunked_prefill,
+            enable_prefix_caching=cfg.cache.enable_prefix_caching,
         )
         self.core = EngineCore(scheduler, executor, self.tokenizer, async_scheduling=sched.async_scheduling)
         self._control = EngineControl(self.core, executor)
@@ -240,6 +251,7 @@ class AsyncEngine:
         request_id: str | None = None,
         *,
         messages: ChatMessages | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams outputs of one request until it finishes.
 
@@ -247,6 +259,10 @@ class AsyncEngine:
         (``[{"role": "user", "content": "..."}]``) that the tokenizer's chat template turns into the
         prompt, as ``chat_prompt_ids`` does. Generation stops at the model's EOS (its chat end-of-turn
         token for instruct models) unless ``params.ignore_eos``.
+
+        The prompt's leading full blocks whose KV an earlier request computed are reused (prefix caching,
+        ``cache.enable_prefix_caching``); requests with different ``cache_salt`` never share it (tenants
+        who must not learn from each other's timing).
 
         Raises ``InvalidRequestError`` (a ``ValueError``) for a bad prompt, messages or params before
         anything is queued; other requests are unaffected.
@@ -264,7 +280,7 @@ class AsyncEngine:
         core = self._require_core()  # again: the engine may have stopped while a long prompt was tokenized
         assert self.model_info is not None
         intake.check_sequence(token_ids, params.max_tokens, request_id, self.model_info, core.scheduler)
-        collector = core.add_request(intake.generation_request(token_ids, params, request_id))
+        collector = core.add_request(intake.generation_request(token_ids, params, request_id, cache_salt))
         finished = False
         try:
             while not finished:
@@ -461,6 +477,19 @@ class AsyncEngine:
         """True from a pause_generation() until resume_generation()."""
         return self._require_core().paused
 
+    async def reset_prefix_cache(self, force: bool = False) -> int:
+        """Forgets every cached prefix; returns how many blocks were cached. Refused (EngineStateError) while
+        requests are in flight unless ``force``: they keep their blocks either way, but those blocks will not
+        be cached again. Weight writes and sleep empty the cache by themselves."""
+        core = self._require_core()
+        busy = len(core.states)
+        if busy and not force:
+            raise EngineStateError(
+                f"cannot reset the prefix cache: {busy} requests are in flight; wait for them, or pass force=True "
+                "(they keep their blocks, which are then not cached again)"
+            )
+        return core.drop_prefix_cache()
+
     @property
     def weights_version(self) -> int:
         """+1 per successful weight write; outputs carry the version they were computed with."""
@@ -497,6 +526,9 @@ class AsyncEngine:
             sleeping=tuple(sorted(core.memory.asleep)),
             weights_valid=core.memory.weights_valid,
             max_model_len=self.model_info.max_model_len if self.model_info else None,
+            prefix_cache_queries=scheduler.kv.num_query_tokens,
+            prefix_cache_hits=scheduler.kv.num_hit_tokens,
+            prefix_cache_blocks=scheduler.kv.num_cached_blocks,
         )
 
 

@@ -253,15 +253,23 @@ class EngineCore:
 
     def weights_written(self, report: WorkerWeightsReport) -> None:
         """A worker wrote weights (update_weights, or an extension through collective_rpc): take its
-        version, and serve again once a full write made discarded weights valid. Anything computed from
-        the old weights and kept for reuse is dropped here (the prefix cache, once it exists)."""
+        version, and serve again once a full write made discarded weights valid. The prefix cache, KV
+        computed from the old weights, is dropped."""
         self.weights_version = max(self.weights_version, report.weights_version)
+        self.drop_prefix_cache()
         if report.weights_valid != self.memory.weights_valid:
             self.set_memory(self.memory.with_weights(report.weights_valid))
 
     def weights_lost(self) -> None:
         """A worker's weight write broke half-way (WeightsLostError): no step runs until a full write."""
+        self.drop_prefix_cache()
         self.set_memory(self.memory.with_weights(False))
+
+    def drop_prefix_cache(self) -> int:
+        """Forgets every cached prefix, because the KV would differ now (new weights, a sleep freed it) or a
+        caller asked; returns how many blocks were cached. Requests in flight keep their blocks, and never
+        offer them to the cache again (they were computed before)."""
+        return self.scheduler.kv.reset(self.weights_version)
 
     async def _until_idle(self) -> None:
         await self._idle.wait()

@@ -144,17 +144,26 @@ def sequence_id(request_id: str, index: int, count: int) -> str:
     return request_id if count == 1 else f"{index}_{request_id}"
 
 
-def generation_request(token_ids: list[int], params: SamplingParams, request_id: str) -> Request:
+def generation_request(
+    token_ids: list[int], params: SamplingParams, request_id: str, cache_salt: str | None = None
+) -> Request:
     """The leader of a request's ``params.n`` sequences, the others parked on it: they share the prompt
     but its last token."""
     n = params.n
-    leader = Request(sequence_id(request_id, 0, n), token_ids, params, group_id=request_id)
+    leader = Request(sequence_id(request_id, 0, n), token_ids, params, group_id=request_id, cache_salt=cache_salt)
     leader.num_shared_tokens = len(token_ids) - 1
     if params.prompt_logprobs is not None:
         leader.prompt_logprobs_from = 1
         leader.prompt_logprobs_k = params.prompt_logprobs
     leader.followers = [
-        Request(sequence_id(request_id, i, n), list(token_ids), params, group_id=request_id, sample_index=i)
+        Request(
+            sequence_id(request_id, i, n),
+            list(token_ids),
+            params,
+            group_id=request_id,
+            sample_index=i,
+            cache_salt=cache_salt,
+        )
         for i in range(1, n)
     ]
     return leader

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from aioengine.sampling.params import SamplingParams
@@ -51,6 +52,14 @@ class Request:
     scheduled; then they share those blocks and run on their own."""
     leader: Request | None = None
     """Set while this sequence is parked in ``leader.followers``."""
+    cache_salt: str | None = None
+    """Part of the first block's prefix-cache key: requests with different salts never share cached KV."""
+    block_keys: list[Hashable] = field(default_factory=list)
+    """Prefix-cache keys of the leading full blocks, computed once as tokens come (``KVBlockManager``)."""
+    num_registered_blocks: int = 0
+    """Leading blocks already offered to the prefix cache."""
+    cache_epoch: int = -1
+    """The prefix cache's epoch when this request's KV began (its blocks register only in that epoch)."""
     prompt_logprobs_from: int | None = None
     """Known tokens from this position on (up to the prompt's end) get logprobs; None: none do."""
     prompt_logprobs_k: int = 0

@@ -54,8 +54,9 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = False,
     ) -> None:
-        self.kv = KVBlockManager(num_cache_blocks, block_size)
+        self.kv = KVBlockManager(num_cache_blocks, block_size, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -147,13 +148,17 @@ class Scheduler:
             request = self.waiting[0]
             if seats + 1 + len(request.followers) > self.max_num_seqs:
                 break
-            start = request.num_computed_tokens
+            hits = kv.cached_prefix(request)  # a waiting request holds no blocks: it computes from here
+            start = len(hits) * kv.block_size
             remaining = len(request.token_ids) - start
             num_new = min(remaining, budget)
             if num_new < remaining and not self.enable_chunked_prefill:
                 break
-            if not kv.allocate(request, start + num_new, write_from=start):
+            if kv.blocks_for(start + num_new) - len(hits) + kv.num_needed(hits) > kv.num_free_blocks:
                 break
+            kv.adopt(request, hits)
+            allocated = kv.allocate(request, start + num_new)
+            assert allocated, "the blocks were counted free"
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -166,6 +171,7 @@ class Scheduler:
             self._scheduled[step_id] = {r.req_id: (r, r.num_preemptions) for r, _ in scheduled}
         described = [self._describe(r, n) for r, n in scheduled]
         for request, _ in scheduled:
+            kv.register(request)
             if request.followers and request.num_computed_tokens >= request.num_shared_tokens:
                 self._fork(request)
         return SchedulerOutput(step_id=step_id, requests=described, blocks_to_copy=kv.take_copies())
