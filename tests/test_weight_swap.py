@@ -10,6 +10,8 @@ the worker thread (``collective_rpc`` with a callable), so "nothing changed" mea
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +22,8 @@ import torch
 
 from aioengine import AsyncEngine
 from aioengine.errors import CheckpointError, EngineStateError
+from aioengine.model import layers
+from aioengine.worker import worker as worker_module
 from tests.helpers import TIMEOUT, wait_until
 from tests.weight_swap_support import (
     FEW,
@@ -276,6 +280,39 @@ async def test_the_pause_covers_the_read_of_a_streamed_source_and_only_the_copy_
         assert report.pause_seconds < SLOW_READ
     else:  # read during the pause
         assert report.pause_seconds >= SLOW_READ
+    assert await token_ids(engine) == ref["B"][:FEW]
+
+
+@pytest.mark.skipif(
+    not layers.cpu_prepack_supported(torch.device("cpu"), torch.float32), reason="no oneDNN-packed linear layers here"
+)
+async def test_staging_beside_serving_leaves_a_running_forward_the_packed_weights_it_runs_from(
+    engine: AsyncEngine, ckpt_b: Path, ref: dict[str, list[list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # stage=True checks the source on another thread while steps run. A forward is held in its first linear
+    # layer, after it found the layer's packed copy current and before it uses it, until the staging is done:
+    # had the check dropped the copy, the layer would compute from None (an empty output; the engine died).
+    held, staged = threading.Event(), threading.Event()
+    weight_key, stage = layers._weight_key, worker_module.stage_weights
+
+    def weight_key_holding_the_first_forward(weight: torch.Tensor) -> tuple[int, int]:
+        if sys._getframe(1).f_code.co_name == "forward" and not held.is_set():
+            held.set()
+            staged.wait(TIMEOUT)
+        return weight_key(weight)
+
+    def stage_then_let_the_forward_go_on(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return stage(*args, **kwargs)
+        finally:
+            staged.set()
+
+    monkeypatch.setattr(layers, "_weight_key", weight_key_holding_the_first_forward)
+    monkeypatch.setattr(worker_module, "stage_weights", stage_then_let_the_forward_go_on)
+    request = asyncio.create_task(final(engine, PROMPTS[0], greedy(1)))
+    await wait_until(held.is_set, "a forward held in its first linear layer")
+    await engine.update_weights(ckpt_b, stage=True)
+    assert list((await request).token_ids) == ref["A"][0][:1]  # the held step ran on A, whole
     assert await token_ids(engine) == ref["B"][:FEW]
 
 

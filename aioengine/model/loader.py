@@ -170,7 +170,7 @@ class WeightPlan:
         self.targets[name] = target
         if target is None:
             return None
-        dst = self.destination(target)
+        dst = self._piece(target)
         if tuple(dst.shape) != tuple(shape):
             raise CheckpointError(f"tensor {name!r} has shape {tuple(shape)}, the model expects {tuple(dst.shape)}")
         if not _castable(dtype, dst.dtype):
@@ -184,6 +184,11 @@ class WeightPlan:
         if not self._marked_changed:
             self.model.weights_changed()
             self._marked_changed = True
+        return self._piece(target)
+
+    def _piece(self, target: WeightTarget) -> torch.Tensor:
+        # Checking only reads: stage_weights checks beside a running forward (Executor.run_aside), so
+        # dropping the packed copies here would pull them from under that forward's layers.
         data = self.params[target.param].data
         return data if target.size is None else data.narrow(0, target.offset, target.size)
 
