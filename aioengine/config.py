@@ -49,6 +49,9 @@ CONFIG_ENV_VAR = "AIOENGINE_CONFIG"
 """Environment variable naming the TOML file when ``from_toml`` is not used."""
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+PreemptionMode = Literal["recompute", "swap"]
+"""A request preempted when KV blocks run out: its blocks freed and computed again on resume, or copied
+to the host pool and back."""
 
 # The TOML path of the EngineConfig being built in this thread/task. A ContextVar
 # rather than a class attribute so concurrent from_toml calls cannot see each other's.
@@ -123,6 +126,12 @@ class CacheConfig(_Section):
         description="Fraction of device memory (0 < x <= 1) the engine may use on CUDA, KV cache included.",
     )
     cache_dtype: DType = Field("auto", description="KV cache dtype. 'auto' uses the model dtype.")
+    swap_space_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="Host memory (pinned on CUDA) for KV blocks swapped out by preemption; used only with "
+        "scheduler.preemption_mode = 'swap'.",
+    )
     enable_prefix_caching: bool = Field(
         True,
         description="Reuse the KV of full blocks that an earlier request computed for the same leading tokens "
@@ -155,6 +164,14 @@ class SchedulerConfig(_Section):
             "Schedule step N+1 while step N runs, its new tokens standing in as placeholders the worker fills "
             "in, so the worker never waits for the event loop between steps. A request that ends on EOS or a "
             "stop token still runs one step more (its token is dropped); on a stop string, up to two."
+        ),
+    )
+    preemption_mode: PreemptionMode = Field(
+        "recompute",
+        description=(
+            "What happens to a request preempted when KV blocks run out: 'recompute' frees its blocks and "
+            "computes them again when it resumes; 'swap' copies them to a host pool of cache.swap_space_bytes "
+            "and back (recompute when the pool is full)."
         ),
     )
 

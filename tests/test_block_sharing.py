@@ -28,9 +28,24 @@ class FakeCache:
 
     def __init__(self) -> None:
         self.slots: dict[tuple[int, int], tuple[int, int]] = {}
+        self.host: dict[tuple[int, int], tuple[int, int]] = {}
+        """The host pool's slots (swap preemption)."""
         self.last_sampled: dict[str, int] = {}
 
+    @staticmethod
+    def _move(src: dict[tuple[int, int], tuple[int, int]], dst: dict[tuple[int, int], tuple[int, int]],
+              blocks: dict[int, int]) -> None:  # fmt: skip
+        for s, d in blocks.items():
+            for off in range(BLOCK):
+                if (s, off) in src:
+                    dst[(d, off)] = src[(s, off)]
+                else:
+                    dst.pop((d, off), None)
+
     def run(self, sched: SchedulerOutput) -> None:
+        """The worker's order (the seeds'): swap in, swap out, copy, then the forward's writes."""
+        self._move(self.host, self.slots, sched.blocks_to_swap_in)
+        self._move(self.slots, self.host, sched.blocks_to_swap_out)
         for src, dsts in sched.blocks_to_copy.items():
             for dst in dsts:
                 for off in range(BLOCK):

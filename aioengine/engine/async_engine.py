@@ -76,6 +76,10 @@ class EngineStats:
     """Of those, the tokens whose KV was reused instead of computed."""
     prefix_cache_blocks: int = 0
     """Blocks holding a cached prefix now (held by requests or free, reused when needed)."""
+    num_swapped_out: int = 0
+    """Preemptions that moved the request's KV to the host pool (preemption_mode "swap"); the rest recomputed."""
+    host_blocks_free: int = 0
+    """Free blocks of the host pool swapped-out KV goes to (0 without swap)."""
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -160,7 +164,8 @@ class AsyncEngine:
                 f"no memory left for the KV cache ({available} bytes free, one block needs {block_bytes}); "
                 "raise cache.kv_cache_memory_bytes / cache.memory_utilization or use a smaller model"
             )
-        await rpc("initialize_from_config", (KVCacheConfig(num_cache_blocks, cfg.cache.block_size),))
+        num_host_blocks = cfg.cache.swap_space_bytes // block_bytes if cfg.scheduler.preemption_mode == "swap" else 0
+        await rpc("initialize_from_config", (KVCacheConfig(num_cache_blocks, cfg.cache.block_size, num_host_blocks),))
         await rpc("compile_or_warm_up_model")
         self.tokenizer, self._max_token_bytes = await tokenizer_task
         self.model_info = info
@@ -174,6 +179,8 @@ class AsyncEngine:
             eos_token_ids=info.eos_token_ids,
             enable_chunked_prefill=sched.enable_chunked_prefill,
             enable_prefix_caching=cfg.cache.enable_prefix_caching,
+            preemption_mode=sched.preemption_mode,
+            num_host_blocks=num_host_blocks,
         )
         self.core = EngineCore(scheduler, executor, self.tokenizer, async_scheduling=sched.async_scheduling)
         self._control = EngineControl(self.core, executor)
@@ -529,6 +536,8 @@ class AsyncEngine:
             prefix_cache_queries=scheduler.kv.num_query_tokens,
             prefix_cache_hits=scheduler.kv.num_hit_tokens,
             prefix_cache_blocks=scheduler.kv.num_cached_blocks,
+            num_swapped_out=scheduler.num_swapped_out,
+            host_blocks_free=scheduler.num_host_blocks_free,
         )
 
 

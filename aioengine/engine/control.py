@@ -127,7 +127,7 @@ class EngineControl:
 
             async def on_workers() -> WorkerSleepReport:
                 report = WorkerSleepReport.merge(await self.executor.collective_rpc("sleep", (level,)))
-                core.drop_prefix_cache()  # the KV cache was freed
+                core.kv_changed()  # the KV cache, host pool included, was freed
                 core.set_memory(core.memory.fell_asleep(level))
                 return report
 

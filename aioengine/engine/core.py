@@ -253,17 +253,23 @@ class EngineCore:
 
     def weights_written(self, report: WorkerWeightsReport) -> None:
         """A worker wrote weights (update_weights, or an extension through collective_rpc): take its
-        version, and serve again once a full write made discarded weights valid. The prefix cache, KV
-        computed from the old weights, is dropped."""
+        version, and serve again once a full write made discarded weights valid. KV computed from the old
+        weights and kept for reuse is dropped (``kv_changed``)."""
         self.weights_version = max(self.weights_version, report.weights_version)
-        self.drop_prefix_cache()
+        self.kv_changed()
         if report.weights_valid != self.memory.weights_valid:
             self.set_memory(self.memory.with_weights(report.weights_valid))
 
     def weights_lost(self) -> None:
         """A worker's weight write broke half-way (WeightsLostError): no step runs until a full write."""
-        self.drop_prefix_cache()
+        self.kv_changed()
         self.set_memory(self.memory.with_weights(False))
+
+    def kv_changed(self) -> None:
+        """The KV kept for reuse no longer matches the weights, or a sleep freed it: the prefix cache is
+        emptied and swapped-out requests recompute."""
+        self.drop_prefix_cache()
+        self.scheduler.drop_swapped()
 
     def drop_prefix_cache(self) -> int:
         """Forgets every cached prefix, because the KV would differ now (new weights, a sleep freed it) or a

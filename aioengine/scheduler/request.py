@@ -52,6 +52,8 @@ class Request:
     scheduled; then they share those blocks and run on their own."""
     leader: Request | None = None
     """Set while this sequence is parked in ``leader.followers``."""
+    swapped_blocks: list[int] = field(default_factory=list)
+    """Host pool blocks holding this request's KV while it is swapped out (preemption_mode "swap")."""
     cache_salt: str | None = None
     """Part of the first block's prefix-cache key: requests with different salts never share cached KV."""
     block_keys: list[Hashable] = field(default_factory=list)

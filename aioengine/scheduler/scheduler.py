@@ -1,9 +1,10 @@
-"""Continuous batching with a token budget per step, chunked prefill and preemption by recompute.
+"""Continuous batching with a token budget per step, chunked prefill, and preemption by recompute or swap.
 
 Each step the running requests go first (a decode token each, or the next prefill chunk), in
 arrival order; then waiting requests are admitted while the budget, ``max_num_seqs`` and free
 blocks allow. When blocks run out, the most recently admitted running request is preempted:
-its blocks are freed and it goes back to the front of the queue to be recomputed later, so no
+its blocks are freed and it goes back to the front of the queue to be recomputed later (or, with
+``preemption_mode="swap"``, its blocks are copied to the host pool and back when it resumes), so no
 request is ever lost and the oldest request always makes progress (no deadlock).
 
 A group of sequences with one prompt (``n`` samples, or the continuations ``score`` rates) is
@@ -19,6 +20,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from aioengine.config import PreemptionMode
 from aioengine.messages import (
     PLACEHOLDER_TOKEN_ID,
     LogprobRows,
@@ -55,6 +57,8 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = False,
+        preemption_mode: PreemptionMode = "recompute",
+        num_host_blocks: int = 0,
     ) -> None:
         self.kv = KVBlockManager(num_cache_blocks, block_size, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
@@ -71,6 +75,16 @@ class Scheduler:
         request aborted while its step ran may come back under the same id, and one preempted may be running
         again from a recompute; the old step's token must reach neither."""
         self.num_preemptions = 0
+        self.preemption_mode: PreemptionMode = preemption_mode
+        self.num_host_blocks = num_host_blocks
+        self._host_free = list(range(num_host_blocks - 1, -1, -1))
+        """Host pool blocks no swapped-out request holds (popped from the end)."""
+        self._host_refs = [0] * num_host_blocks
+        """Swapped-out requests holding each host block (two that shared a device block share its copy)."""
+        self._swap_in: dict[int, int] = {}
+        self._swap_out: dict[int, int] = {}
+        self.num_swapped_out = 0
+        """Preemptions that moved the request's KV to the host pool (the rest recomputed)."""
 
     # ---- queue ---------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -112,6 +126,10 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def num_host_blocks_free(self) -> int:
+        return len(self._host_free)
+
+    @property
     def num_waiting(self) -> int:
         """Sequences not running: queued, preempted, or parked on their group's leader."""
         return len(self.requests) - len(self.running)
@@ -132,8 +150,8 @@ class Scheduler:
             start = request.num_computed_tokens
             while not kv.allocate(request, start + num_new, write_from=start):
                 victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
+                self._preempt(victim, swap=self.preemption_mode == "swap")
+                preempted = True  # nothing is admitted this step, so no swap-in reuses a block swapped out now
                 if victim is request:
                     break
             else:
@@ -148,16 +166,26 @@ class Scheduler:
             request = self.waiting[0]
             if seats + 1 + len(request.followers) > self.max_num_seqs:
                 break
-            hits = kv.cached_prefix(request)  # a waiting request holds no blocks: it computes from here
-            start = len(hits) * kv.block_size
+            swapped = request.swapped_blocks
+            hits = [] if swapped else kv.cached_prefix(request)  # a waiting request holds no device blocks
+            start = request.num_computed_tokens if swapped else len(hits) * kv.block_size
             remaining = len(request.token_ids) - start
             num_new = min(remaining, budget)
             if num_new < remaining and not self.enable_chunked_prefill:
                 break
             if kv.blocks_for(start + num_new) - len(hits) + kv.num_needed(hits) > kv.num_free_blocks:
                 break
-            kv.adopt(request, hits)
-            allocated = kv.allocate(request, start + num_new)
+            if swapped:
+                allocated = kv.allocate(request, start + num_new)
+                for host, device in zip(swapped, request.block_ids, strict=False):
+                    if host in self._swap_in:  # another request resumes from the same copy: take it from there
+                        kv.pending_copies.setdefault(self._swap_in[host], []).append(device)
+                    else:
+                        self._swap_in[host] = device
+                self._release_host(request)
+            else:
+                kv.adopt(request, hits)
+                allocated = kv.allocate(request, start + num_new)
             assert allocated, "the blocks were counted free"
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -174,7 +202,15 @@ class Scheduler:
             kv.register(request)
             if request.followers and request.num_computed_tokens >= request.num_shared_tokens:
                 self._fork(request)
-        return SchedulerOutput(step_id=step_id, requests=described, blocks_to_copy=kv.take_copies())
+        swap_in, self._swap_in = self._swap_in, {}
+        swap_out, self._swap_out = self._swap_out, {}
+        return SchedulerOutput(
+            step_id=step_id,
+            requests=described,
+            blocks_to_swap_in=swap_in,
+            blocks_to_swap_out=swap_out,
+            blocks_to_copy=kv.take_copies(),
+        )
 
     def _fork(self, leader: Request) -> None:
         """The leader's step computes the group's shared prefix: its parked sequences start from there,
@@ -274,24 +310,66 @@ class Scheduler:
         return None
 
     def preempt_all(self) -> int:
-        """Preempts every running request (KV recomputed later, outputs kept); returns how many."""
+        """Preempts every running request by recompute (a control call is about to change or free the KV);
+        returns how many."""
         count = len(self.running)
         while self.running:
             self._preempt(self.running.pop())  # newest first, so the oldest ends up at the front
         return count
 
+    def drop_swapped(self) -> int:
+        """Swapped-out requests recompute instead (their host copy is stale: new weights, or the cache was
+        freed); returns how many."""
+        dropped = 0
+        for request in self.waiting:
+            if request.swapped_blocks:
+                self._release_host(request)
+                request.num_computed_tokens = 0
+                dropped += 1
+        return dropped
+
     # ---- internals ---------------------------------------------------------------------------------
-    def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        request.num_placeholders = 0  # tokens of steps in flight are dropped; recompute samples them again
+    def _preempt(self, request: Request, swap: bool = False) -> None:
+        if not (swap and self._swap_out_blocks(request)):
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+        request.num_placeholders = 0  # tokens of steps in flight are dropped; the resume samples them again
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _swap_out_blocks(self, request: Request) -> bool:
+        """Moves the request's computed KV to the host pool (copied before the next forward); False, and no
+        change, when the pool has too few free blocks. The last known token is computed again on resume,
+        since its step's sampled token is dropped."""
+        keep = min(request.num_computed_tokens, len(request.token_ids) - 1)
+        blocks = request.block_ids[: self.kv.blocks_for(keep)]
+        new = [b for b in blocks if b not in self._swap_out]  # a block shared with a request swapped out now
+        if not blocks or len(new) > len(self._host_free):
+            return False
+        for block in new:
+            self._swap_out[block] = self._host_free.pop()
+        host = [self._swap_out[b] for b in blocks]
+        for h in host:
+            self._host_refs[h] += 1
+        self.kv.free(request)
+        request.swapped_blocks = host
+        request.num_computed_tokens = keep
+        self.num_swapped_out += 1
+        return True
+
+    def _release_host(self, request: Request) -> None:
+        """Drops the request's hold on its host blocks (its KV is back on the device, or not needed)."""
+        for h in request.swapped_blocks:
+            self._host_refs[h] -= 1
+            if self._host_refs[h] == 0:
+                self._host_free.append(h)
+        request.swapped_blocks = []
+
     def _release(self, request: Request) -> None:
         self.kv.free(request)
+        self._release_host(request)
         del self.requests[request.req_id]
         if request.followers:  # ended before its group forked (aborted): the next sequence leads
             leader, *rest = request.followers
