@@ -13,12 +13,12 @@ if TYPE_CHECKING:
     # Re-exported for type checkers (the redundant aliases mark them so); loaded lazily by __getattr__.
     from aioengine.config import EngineConfig as EngineConfig
     from aioengine.engine.async_engine import AsyncEngine as AsyncEngine
-    from aioengine.engine.async_engine import EngineStats as EngineStats
     from aioengine.engine.outputs import CompletionOutput as CompletionOutput
     from aioengine.engine.outputs import Logprob as Logprob
     from aioengine.engine.outputs import RequestOutput as RequestOutput
     from aioengine.engine.outputs import ScoreOutput as ScoreOutput
     from aioengine.engine.pool import EnginePool as EnginePool
+    from aioengine.engine.stats import EngineStats as EngineStats
     from aioengine.engine.sync import Engine as Engine
     from aioengine.sampling.params import SamplingParams as SamplingParams
 
@@ -30,7 +30,7 @@ _EXPORTS = {
     "Engine": "aioengine.engine.sync",
     "EngineConfig": "aioengine.config",
     "EnginePool": "aioengine.engine.pool",
-    "EngineStats": "aioengine.engine.async_engine",
+    "EngineStats": "aioengine.engine.stats",
     "RequestOutput": "aioengine.engine.outputs",
     "SamplingParams": "aioengine.sampling.params",
 }

@@ -7,7 +7,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from aioengine.config import EngineConfig
@@ -25,6 +24,7 @@ from aioengine.engine.control import (
 from aioengine.engine.core import EngineCore
 from aioengine.engine.intake import ChatMessages, Prompt
 from aioengine.engine.outputs import RequestOutput, ScoreOutput
+from aioengine.engine.stats import EngineStats, engine_stats
 from aioengine.errors import (
     ConfigurationError,
     EngineDeadError,
@@ -42,52 +42,6 @@ from aioengine.scheduler.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "ChatMessages", "EngineStats", "Prompt"]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of the engine's state, cheap enough to poll."""
-
-    started: bool
-    dead: bool = False
-    kv_blocks_total: int = 0
-    """Blocks requests can hold (the cache's blocks minus the null block)."""
-    kv_blocks_free: int = 0
-    block_size: int = 0
-    requests_running: int = 0
-    requests_waiting: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_generated_tokens: int = 0
-    worker_seconds: float = 0.0
-    weights_version: int = 0
-    requests_held: int = 0
-    """Requests that arrived during a drain and wait for it to end."""
-    draining: bool = False
-    """A control call (sleep "wait", update_weights "drain") is finishing the requests in flight."""
-    paused: bool = False
-    """Generation is paused (pause_generation) until resume_generation; requests sent meanwhile wait."""
-    sleeping: tuple[str, ...] = ()
-    weights_valid: bool = True
-    max_model_len: int | None = None
-    prefix_cache_queries: int = 0
-    """Prompt tokens of admitted requests that looked up the prefix cache (a preempted one counts again)."""
-    prefix_cache_hits: int = 0
-    """Of those, the tokens whose KV was reused instead of computed."""
-    prefix_cache_blocks: int = 0
-    """Blocks holding a cached prefix now (held by requests or free, reused when needed)."""
-    num_swapped_out: int = 0
-    """Preemptions that moved the request's KV to the host pool (preemption_mode "swap"); the rest recomputed."""
-    host_blocks_free: int = 0
-    """Free blocks of the host pool swapped-out KV goes to (0 without swap)."""
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready values (for logs, metrics, HTTP)."""
-        return {**asdict(self), "prefix_cache_hit_rate": self.prefix_cache_hit_rate}
 
 
 class AsyncEngine:
@@ -510,35 +464,7 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         """Snapshot of the engine's state, cheap enough to poll."""
-        core = self.core
-        if core is None:
-            return EngineStats(started=False)
-        scheduler = core.scheduler
-        return EngineStats(
-            started=True,
-            dead=core.dead is not None,
-            kv_blocks_total=scheduler.kv.num_usable_blocks,
-            kv_blocks_free=scheduler.kv.num_free_blocks,
-            block_size=scheduler.kv.block_size,
-            requests_running=scheduler.num_running,
-            requests_waiting=scheduler.num_waiting,
-            num_preemptions=scheduler.num_preemptions,
-            num_steps=core.num_steps,
-            num_generated_tokens=core.num_generated_tokens,
-            worker_seconds=core.worker_seconds,
-            weights_version=core.weights_version,
-            requests_held=len(core.held),
-            draining=core.draining,
-            paused=core.paused,
-            sleeping=tuple(sorted(core.memory.asleep)),
-            weights_valid=core.memory.weights_valid,
-            max_model_len=self.model_info.max_model_len if self.model_info else None,
-            prefix_cache_queries=scheduler.kv.num_query_tokens,
-            prefix_cache_hits=scheduler.kv.num_hit_tokens,
-            prefix_cache_blocks=scheduler.kv.num_cached_blocks,
-            num_swapped_out=scheduler.num_swapped_out,
-            host_blocks_free=scheduler.num_host_blocks_free,
-        )
+        return engine_stats(self.core, self.model_info.max_model_len if self.model_info else None)
 
 
 def _make_executor(config: EngineConfig) -> Executor:
