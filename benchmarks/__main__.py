@@ -16,6 +16,8 @@ import sys
 COMMANDS = {
     "throughput": "aioengine vs HF transformers: offline tokens/s, floors, online latency",
     "grpo": "an RL rollout (prompts x n samples): n = 8 vs separate requests vs HF, tokens/s, KV blocks",
+    "prefix_cache": "prefix caching on vs off: shared system prompt, multi-turn chat, zero hits; tokens/s, TTFT",
+    "preemption": "preemption by recompute vs swap for long contexts on a small KV cache: seconds per preemption",
     "sleep_wake": "sleep and wake seconds per level beside a memcpy floor",
     "weight_swap": "hot weight swap seconds and stream gaps beside disk floors",
 }
