@@ -10,6 +10,7 @@ manager's counts are checked against the requests holding the blocks.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -127,7 +128,8 @@ def run(
     raise AssertionError(f"unfinished after {steps} steps")
 
 
-def make_scheduler(num_cache_blocks: int = 128, max_num_seqs: int = 16, budget: int = 32) -> Scheduler:
+def make_scheduler(num_cache_blocks: int = 128, max_num_seqs: int = 16, budget: int = 32, **options: Any) -> Scheduler:
+    """A scheduler on blocks of ``BLOCK`` tokens; ``options`` go to Scheduler (prefix caching, swap)."""
     return Scheduler(
         num_cache_blocks=num_cache_blocks,
         block_size=BLOCK,
@@ -135,6 +137,7 @@ def make_scheduler(num_cache_blocks: int = 128, max_num_seqs: int = 16, budget: 
         max_num_batched_tokens=budget,
         max_model_len=512,
         eos_token_ids=[2],
+        **options,
     )
 
 

@@ -23,22 +23,14 @@ from aioengine.errors import EngineStateError
 from aioengine.scheduler.request import Request, RequestStatus
 from aioengine.scheduler.scheduler import Scheduler
 from tests.helpers import TIMEOUT, final, hf_generate, wait_until_idle
-from tests.test_block_sharing import BLOCK, FakeCache, add, one_step, run
+from tests.test_block_sharing import BLOCK, FakeCache, add, make_scheduler, one_step, run
 from tests.weight_swap_support import hf_model
 
 # --- the block manager and the scheduler ----------------------------------------------------------------------
 
 
 def caching_scheduler(num_cache_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
-    return Scheduler(
-        num_cache_blocks=num_cache_blocks,
-        block_size=BLOCK,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        max_model_len=512,
-        eos_token_ids=[2],
-        enable_prefix_caching=True,
-    )
+    return make_scheduler(num_cache_blocks, max_num_seqs, budget, enable_prefix_caching=True)
 
 
 def request(req_id: str, tokens: list[int], max_tokens: int = 3, salt: str | None = None) -> Request:

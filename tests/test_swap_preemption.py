@@ -23,18 +23,15 @@ from aioengine.engine import intake
 from aioengine.scheduler.request import RequestStatus
 from aioengine.scheduler.scheduler import Scheduler
 from tests.helpers import final, hf_generate, wait_until_idle
-from tests.test_block_sharing import BLOCK, FakeCache, add, one_step, run
+from tests.test_block_sharing import FakeCache, add, make_scheduler, one_step, run
 from tests.weight_swap_support import hf_model
 
 
 def swapping_scheduler(num_cache_blocks: int, num_host_blocks: int, caching: bool = False) -> Scheduler:
-    return Scheduler(
-        num_cache_blocks=num_cache_blocks,
-        block_size=BLOCK,
+    return make_scheduler(
+        num_cache_blocks,
         max_num_seqs=8,
-        max_num_batched_tokens=24,
-        max_model_len=512,
-        eos_token_ids=[2],
+        budget=24,
         enable_prefix_caching=caching,
         preemption_mode="swap",
         num_host_blocks=num_host_blocks,
