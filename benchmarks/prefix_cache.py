@@ -195,8 +195,8 @@ async def run_all(
     """Every workload on both engines, alternated ``args.repeat`` times: the median runs, the on / off
     tokens/s of each repeat (adjacent runs, so they share the machine's load) and the KV cache's shape.
 
-    Every run gets an engine of its own: two long-lived engines differ by more than caching does (on a
-    loaded machine the one made first ran ~5% slower or faster, whichever flag it had)."""
+    Every run gets an engine of its own: two long-lived engines differ by more than caching does (two of
+    one config, alternated on a quiet machine, ran 5-15% apart, the same one slower every time)."""
     runs: dict[str, dict[str, list[CacheRun]]] = {load.name: {ON: [], OFF: []} for load in loads}
     config = configs(path, largest, args)
     shape = ""
