@@ -141,6 +141,8 @@ async def test_score_refuses_bad_input_and_the_engine_keeps_serving(llama_engine
         await llama_engine.score(PROMPT, [])
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         await llama_engine.score(PROMPT, [[10**9]])
+    with pytest.raises(InvalidRequestError, match="continuation 1 is empty"):
+        await llama_engine.score(PROMPT, [[5], []])
     with pytest.raises(InvalidRequestError, match="top_logprobs"):
         await llama_engine.score(PROMPT, [[5]], top_logprobs=21)
     assert len((await final(llama_engine, PROMPT, SamplingParams(temperature=0, max_tokens=2))).token_ids) == 2

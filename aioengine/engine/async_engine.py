@@ -287,9 +287,7 @@ class AsyncEngine:
         conts = [await intake.continuation_ids(self.tokenizer, c, request_id, i) for i, c in enumerate(continuations)]
         core = self._require_core()
         assert self.model_info is not None
-        for continuation in conts:
-            if not continuation:
-                raise InvalidRequestError(f"request {request_id!r}: a continuation is empty")
+        for continuation in conts:  # each non-empty: continuation_ids refuses an empty one
             intake.check_sequence(prompt_ids + continuation, 1, request_id, self.model_info, core.scheduler)
         if not prompt_ids:
             raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")

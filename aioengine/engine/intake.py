@@ -54,9 +54,9 @@ async def continuation_ids(tokenizer: Any, continuation: Prompt, request_id: str
     """A continuation's token ids: a text is tokenized on its own, without special tokens (token ids say
     exactly which tokens to rate; a text's tokens next to the prompt's may differ from joint tokenization)."""
     if not isinstance(continuation, str):
-        return list(continuation)
-    if len(continuation) <= LONG_PROMPT_CHARS:
-        ids: list[int] = tokenizer(continuation, add_special_tokens=False).input_ids
+        ids = list(continuation)
+    elif len(continuation) <= LONG_PROMPT_CHARS:
+        ids = tokenizer(continuation, add_special_tokens=False).input_ids
     else:
         ids = (await asyncio.to_thread(tokenizer, continuation, add_special_tokens=False)).input_ids
     if not ids:
