@@ -1,5 +1,6 @@
 """GPU check: CUDA-graph capture time, decode step time eager vs graph, greedy parity graph vs eager,
-and per sleep level: device memory freed, sleep/wake seconds, outputs and graph replay after wake.
+per sleep level: device memory freed, sleep/wake seconds, outputs and graph replay after wake, and one
+preemption of a 1,500-token context both ways: recompute (its prefill) vs swap to pinned host memory.
 
 Run through scripts/gpu_check.sh on a CUDA machine. Prints a markdown table; exits non-zero if
 parity fails. Uses a locally built random-init Llama (float32, so parity is exact).
@@ -22,17 +23,18 @@ from aioengine.messages import KVCacheConfig
 from aioengine.testing import build_checkpoint
 from aioengine.worker.gpu_worker import CUDAWorker
 from aioengine.worker.graphs import PaddedDecodeRunner
+from benchmarks.preemption import preemption_costs
 
 BATCHES = (1, 8, 32)
 SPEC = dict(hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16, num_kv_heads=4)
 
 
-def config(path: Path, eager: bool) -> EngineConfig:
+def config(path: Path, eager: bool, preemption_mode: str = "recompute") -> EngineConfig:
     return EngineConfig(
         model={"path": str(path), "dtype": "float32", "max_model_len": 1024},
         device={"device": "cuda"},
         cache={"num_blocks": 2048},
-        scheduler={"max_num_seqs": 32},
+        scheduler={"max_num_seqs": 32, "preemption_mode": preemption_mode},
         compile={"enforce_eager": eager, "cuda_graph_sizes": list(BATCHES)},
     )
 
@@ -131,6 +133,24 @@ async def sleep_check(path: Path, prompts: list[list[int]]) -> list[tuple[str, s
     return rows
 
 
+async def swap_check(path: Path) -> list[tuple[str, str]]:
+    """One preemption of a 1,000-token context (max_model_len is 1,024): prefill vs pinned swap out + in."""
+    swap = config(path, eager=False, preemption_mode="swap")
+    context = torch.randint(3, 1000, (1000,), generator=torch.Generator().manual_seed(1)).tolist()
+    async with AsyncEngine(swap) as engine:
+        pinned = await engine.collective_rpc(
+            lambda w: w.model_runner.cache_engine.host_cache[0].is_pinned(), unique_reply_rank=0
+        )
+        costs = await preemption_costs(engine, context)
+    ms = {k: v * 1000 for k, v in costs.items()}
+    return [
+        (
+            f"one preemption of {len(context)} tokens: recompute / swap out + in (pinned: {pinned})",
+            f"{ms['recompute']:.2f} ms / {ms['swap_out']:.2f} + {ms['swap_in']:.2f} ms",
+        )
+    ]
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device", file=sys.stderr)
@@ -145,6 +165,7 @@ def main() -> int:
         eager_tokens = asyncio.run(greedy(path, True, prompts))
         graph_tokens = asyncio.run(greedy(path, False, prompts))
         sleep_rows = asyncio.run(sleep_check(path, prompts[:8]))
+        sleep_rows += asyncio.run(swap_check(path))
     same = sum(a == b for a, b in zip(eager_tokens, graph_tokens, strict=True))
     print(f"\n{torch.cuda.get_device_name()} · torch {torch.__version__} · Llama h1024 x 8 layers, float32\n")
     print("| measure | value |\n|---|---|")
