@@ -18,6 +18,10 @@ class RequestTooLargeError(InvalidRequestError):
     """The request can never fit: more tokens than ``max_model_len`` or than the whole KV cache."""
 
 
+class UnknownModelError(InvalidRequestError):
+    """A request names a model the pool (or server) does not serve."""
+
+
 class UnsupportedModelError(AIOEngineError, ValueError):
     """The checkpoint's architecture (or a feature of it) is not implemented."""
 

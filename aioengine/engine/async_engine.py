@@ -23,7 +23,7 @@ from aioengine.engine.control import (
 )
 from aioengine.engine.core import EngineCore
 from aioengine.engine.intake import ChatMessages, Prompt
-from aioengine.engine.outputs import RequestOutput, ScoreOutput
+from aioengine.engine.outputs import RequestOutput, RequestStream, ScoreOutput
 from aioengine.engine.stats import EngineStats, engine_stats
 from aioengine.errors import (
     ConfigurationError,
@@ -226,31 +226,54 @@ class AsyncEngine:
         who must not learn from each other's timing).
 
         Raises ``InvalidRequestError`` (a ``ValueError``) for a bad prompt, messages or params before
-        anything is queued; other requests are unaffected.
+        anything is queued; other requests are unaffected. ``submit`` is the same in two halves.
         """
-        core = self._require_core()
+        stream = await self.submit(prompt, params, request_id, messages=messages, cache_salt=cache_salt)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()  # consumer cancelled or stopped early: free the request's blocks now
+
+    async def submit(
+        self,
+        prompt: Prompt | None = None,
+        params: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+        *,
+        messages: ChatMessages | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Checks and queues one request now and returns its stream of outputs: what a server needs to
+        refuse a bad request before it answers anything. Takes what ``generate`` takes and raises what it
+        raises. Iterate the stream to its end or close it: closing it early aborts the request."""
+        self._require_core()
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("pass exactly one of prompt and messages")
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         params = self._check_params(params, request_id)
-        if messages is not None:
-            token_ids = await intake.chat_ids(self.tokenizer, messages, request_id)
-        else:
-            assert prompt is not None
-            token_ids = await self._prompt_ids(prompt, request_id)
+        token_ids = await self.tokenize(prompt, messages=messages, request_id=request_id)
         core = self._require_core()  # again: the engine may have stopped while a long prompt was tokenized
         assert self.model_info is not None
         intake.check_sequence(token_ids, params.max_tokens, request_id, self.model_info, core.scheduler)
         collector = core.add_request(intake.generation_request(token_ids, params, request_id, cache_salt))
-        finished = False
-        try:
-            while not finished:
-                out = await collector.get()
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:  # consumer cancelled or stopped early: free the request's blocks now
-                core.release_stream(request_id, collector)
+        return RequestStream(request_id, collector, lambda: core.release_stream(request_id, collector))
+
+    async def tokenize(
+        self, prompt: Prompt | None = None, *, messages: ChatMessages | None = None, request_id: str | None = None
+    ) -> list[int]:
+        """The prompt token ids ``generate`` runs for ``prompt`` (a text tokenized with the tokenizer's special
+        tokens; token ids as given, checked against the vocabulary only when submitted) or for ``messages``
+        (the chat template). Long texts are tokenized off the event loop. Raises ``InvalidRequestError`` for
+        what ``generate`` would refuse before tokenizing (malformed messages, a text far too long)."""
+        self._require_core()
+        if (prompt is None) == (messages is None):
+            raise InvalidRequestError("pass exactly one of prompt and messages")
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if messages is not None:
+            return await intake.chat_ids(self.tokenizer, messages, request_id)
+        assert prompt is not None
+        return await self._prompt_ids(prompt, request_id)
 
     async def score(
         self,

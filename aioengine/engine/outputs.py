@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,3 +240,34 @@ class OutputCollector:
         if isinstance(item, BaseException):
             raise item
         return item
+
+
+class RequestStream:
+    """The outputs of one queued request (``AsyncEngine.submit``), as an async iterator that ends after the
+    last. Closing it (``close()`` or ``aclose()``) before that aborts the request and frees its KV blocks at
+    once; so does cancelling the task that waits on it, once the caller closes it (``generate`` does)."""
+
+    def __init__(self, request_id: str, collector: OutputCollector, release: Callable[[], None]) -> None:
+        self.request_id = request_id
+        self._collector = collector
+        self._release = release
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        out = await self._collector.get()
+        self._done = out.finished
+        return out
+
+    def close(self) -> None:
+        """Aborts the request unless its last output was taken; idempotent."""
+        if not self._done:
+            self._done = True
+            self._release()
+
+    async def aclose(self) -> None:
+        self.close()

@@ -13,14 +13,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aioengine.config import EngineConfig
 from aioengine.engine.async_engine import AsyncEngine, Prompt
+from aioengine.engine.control import SleepMode, SleepReport, WakeReport
 from aioengine.engine.outputs import RequestOutput
-from aioengine.errors import ConfigurationError, InvalidRequestError
+from aioengine.errors import ConfigurationError, UnknownModelError
 from aioengine.messages import SleepLevel, check_choice
 from aioengine.sampling.params import SamplingParams
 
@@ -63,6 +64,7 @@ class EnginePool:
         max_awake: int | None = None,
         idle_timeout: float | None = None,
         sleep_level: SleepLevel = 1,
+        awake_at_start: Sequence[str] = (),
     ) -> None:
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
@@ -76,6 +78,11 @@ class EnginePool:
         self.max_awake = max_awake
         self.idle_timeout = idle_timeout
         self.sleep_level = sleep_level
+        unknown = [name for name in awake_at_start if name not in self.tenants]
+        if unknown:
+            raise ValueError(f"awake_at_start names engines the pool does not have: {unknown}")
+        self.awake_at_start = tuple(awake_at_start)
+        """Woken (in order, as far as budget and max_awake allow) once every footprint is measured."""
         self.num_switches = 0
         self._switch_lock = asyncio.Lock()
         self._leaving: set[str] = set()
@@ -90,7 +97,8 @@ class EnginePool:
         await self.shutdown()
 
     async def start(self) -> None:
-        """Starts every engine and puts it to sleep, measuring what its sleep frees (its footprint).
+        """Starts every engine and puts it to sleep, measuring what its sleep frees (its footprint), then
+        wakes those named in ``awake_at_start`` so their first requests do not wait for a wake-up.
 
         If one cannot start (or does not fit the budget), every engine started so far is shut down.
         """
@@ -104,6 +112,8 @@ class EnginePool:
                         f"engine {name!r} needs {tenant.footprint} bytes awake, more than the pool budget "
                         f"{self.budget_bytes}; raise budget_bytes or shrink that engine's KV cache"
                     )
+            for name in self.awake_at_start:
+                await self.wake_up(name)
         except BaseException:
             await self.shutdown()
             raise
@@ -114,9 +124,25 @@ class EnginePool:
         try:
             return self.tenants[model_name]
         except KeyError:
-            raise InvalidRequestError(
+            raise UnknownModelError(
                 f"no engine named {model_name!r} in the pool; known: {', '.join(self.tenants)}"
             ) from None
+
+    def engine(self, model_name: str) -> AsyncEngine:
+        """The engine serving ``model_name``, awake or not (``UnknownModelError`` if there is none)."""
+        return self._tenant(model_name).engine
+
+    @contextlib.asynccontextmanager
+    async def use(self, model_name: str) -> AsyncIterator[AsyncEngine]:
+        """Wakes ``model_name``'s engine if needed (putting others to sleep as the budget demands) and keeps
+        it awake while the block runs: every request on a pooled engine runs inside one of these."""
+        tenant = self._tenant(model_name)
+        await self._acquire(model_name, tenant)
+        try:
+            yield tenant.engine
+        finally:
+            tenant.active -= 1
+            tenant.last_used = time.monotonic()
 
     async def generate(
         self,
@@ -126,14 +152,33 @@ class EnginePool:
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams one request on ``model_name``'s engine, waking it first if needed."""
-        tenant = self._tenant(model_name)
-        await self._acquire(model_name, tenant)
-        try:
-            async for out in tenant.engine.generate(prompt, params, request_id):
+        async with self.use(model_name) as engine:
+            async for out in engine.generate(prompt, params, request_id):
                 yield out
-        finally:
-            tenant.active -= 1
-            tenant.last_used = time.monotonic()
+
+    async def sleep(self, model_name: str, level: SleepLevel | None = None, mode: SleepMode = "wait") -> SleepReport:
+        """Puts one engine to sleep on request (an admin's call), ordered with the pool's switches; a later
+        request for it wakes it again. ``level`` defaults to the pool's ``sleep_level``."""
+        tenant = self._tenant(model_name)
+        async with self._switch_lock:
+            return await tenant.engine.sleep(self.sleep_level if level is None else level, mode=mode)
+
+    async def wake_up(self, model_name: str, tags: Iterable[str] | None = None) -> WakeReport | None:
+        """Wakes one engine on request, first putting others to sleep as the budget demands (weights a level-2
+        sleep discarded are reloaded once it is fully awake). None if it was awake already."""
+        tenant = self._tenant(model_name)
+        async with self._switch_lock:
+            return None if tenant.awake else await self._wake(model_name, tenant, tags)
+
+    async def _wake(self, name: str, tenant: _Tenant, tags: Iterable[str] | None = None) -> WakeReport:
+        """With the switch lock held."""
+        await self._make_room_for(name, tenant)
+        report = await tenant.engine.wake_up(tags)
+        if tenant.awake and not tenant.engine.stats().weights_valid:  # a level-2 sleep discarded them
+            await tenant.engine.reload_weights()
+        self.num_switches += 1
+        logger.info("pool: %s awake (%d bytes)", name, tenant.footprint)
+        return report
 
     async def _acquire(self, name: str, tenant: _Tenant) -> None:
         if tenant.awake and name not in self._leaving:
@@ -144,12 +189,7 @@ class EnginePool:
             return
         async with self._switch_lock:
             if not tenant.awake:
-                await self._make_room_for(name, tenant)
-                await tenant.engine.wake_up()
-                if not tenant.engine.stats().weights_valid:  # sleep_level=2 discarded them
-                    await tenant.engine.reload_weights()
-                self.num_switches += 1
-                logger.info("pool: %s awake (%d bytes)", name, tenant.footprint)
+                await self._wake(name, tenant)
             tenant.active += 1
             tenant.last_used = time.monotonic()
 
