@@ -1,4 +1,4 @@
-"""Command line, on uvloop: ``aioengine demo``, ``aioengine generate`` and ``aioengine chat``.
+"""Command line, on uvloop: ``aioengine demo``, ``aioengine generate``, ``aioengine chat`` and ``aioengine serve``.
 
 Without ``--model`` every command runs the embedded default model, SmolLM2-135M-Instruct (fetched and
 converted once into the user cache, see ``aioengine.models``), or the random-init demo model when it
@@ -72,6 +72,17 @@ def _parser() -> argparse.ArgumentParser:
     text = "a streaming terminal chat that keeps the conversation (Ctrl-D or Ctrl-C quits, /reset forgets)"
     chat = sub.add_parser("chat", parents=[common], help=text, description=text)
     sampling(chat, 512, 0.7, 0.9)
+
+    text = "an OpenAI-compatible HTTP server (several models with a [models] table in --config)"
+    serve = sub.add_parser("serve", parents=[common], help=text, description=text)
+    serve.add_argument("served_model", nargs="?", metavar="MODEL", help="as --model")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
+    serve.add_argument("--port", type=int, help="default 8000; 0 picks a free port")
+    serve.add_argument("--api-key", help="Bearer key required on /v1/* (or AIOENGINE_API_KEY)")
+    serve.add_argument("--admin-key", help="turns the admin endpoints on, behind this key (or AIOENGINE_ADMIN_KEY)")
+    serve.add_argument("--served-model-name", help="the name clients use in 'model' (default: the checkpoint's)")
+    serve.add_argument("--shutdown", choices=["finish", "abort"], help="requests in flight on SIGTERM / Ctrl-C")
+    serve.add_argument("--shutdown-timeout", type=float, help="seconds 'finish' waits before aborting (default 30)")
     return parser
 
 
@@ -84,8 +95,6 @@ def _note(message: str) -> None:
 
 def _configure(args: argparse.Namespace) -> tuple[EngineConfig, _Model]:
     """The engine config (``--config`` and environment, then the flags) and which model it runs."""
-    from aioengine import models
-
     configured = EngineConfig.from_toml(args.config) if args.config else EngineConfig()
     overrides: dict[str, Any] = {}
     if args.device:
@@ -95,19 +104,25 @@ def _configure(args: argparse.Namespace) -> tuple[EngineConfig, _Model]:
         overrides["cache"] = (
             {"num_blocks": DEMO_NUM_BLOCKS} if args.command == "demo" else {"kv_cache_memory_bytes": CLI_KV_CACHE_BYTES}
         )
-    if args.model:
-        path = models.model_dir(args.model, progress=_note)
-        model = _Model(str(path), Path(args.model).name, real=True)
-    elif configured.model.path is not None:
-        model = _Model(configured.model.path, Path(configured.model.path).name, real=True)
-    else:
-        chosen = models.default_model(progress=_note)
-        model = _Model(str(chosen.path), chosen.name, chosen.real)
-        if not chosen.real and chosen.fallback_reason is None:
-            _note(f"{models.ENV_DEFAULT_MODEL}=random: the random-init demo model (expect gibberish text)")
+    model = choose_model(args.model, configured.model.path)
     overrides["model"] = {"path": model.path}
     config = EngineConfig.from_toml(args.config, **overrides) if args.config else EngineConfig(**overrides)
     return config, model
+
+
+def choose_model(given: str | None, configured: str | None) -> _Model:
+    """The model a command runs: ``--model`` (converted once if it is a GGUF), else the config's path, else the
+    embedded default model."""
+    from aioengine import models
+
+    if given:
+        return _Model(str(models.model_dir(given, progress=_note)), Path(given).name, real=True)
+    if configured is not None:
+        return _Model(configured, Path(configured).name, real=True)
+    chosen = models.default_model(progress=_note)
+    if not chosen.real and chosen.fallback_reason is None:
+        _note(f"{models.ENV_DEFAULT_MODEL}=random: the random-init demo model (expect gibberish text)")
+    return _Model(str(chosen.path), chosen.name, chosen.real)
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -273,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    if args.command == "serve":
+        from aioengine.server.launch import main as serve
+
+        return serve(args)
     try:
         config, model = _configure(args)
     except (FileNotFoundError, ModelConversionError) as exc:

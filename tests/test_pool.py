@@ -173,3 +173,43 @@ async def test_a_model_larger_than_the_budget_is_refused_at_start(llama_ckpt: Pa
     with pytest.raises(ConfigurationError, match="budget"):
         await pool.start()
     await pool.shutdown()
+
+
+async def test_awake_at_start_wakes_the_named_engine_once_footprints_are_measured(
+    llama_ckpt: Path, qwen2_ckpt: Path
+) -> None:
+    engines = _engines(llama_ckpt, qwen2_ckpt)
+    async with EnginePool(engines, max_awake=1, awake_at_start=["qwen2"]) as pool:
+        assert _awake(engines) == ("qwen2",)
+        assert all(footprint > 0 for footprint in pool.stats().footprints.values())
+    with pytest.raises(ValueError, match="gpt"):
+        EnginePool(_engines(llama_ckpt, qwen2_ckpt), awake_at_start=["gpt"])
+
+
+async def test_use_keeps_an_engine_awake_until_the_block_ends(llama_ckpt: Path, qwen2_ckpt: Path) -> None:
+    engines = _engines(llama_ckpt, qwen2_ckpt)
+    async with EnginePool(engines, max_awake=1) as pool:
+        async with pool.use("llama") as engine:
+            assert engine is engines["llama"] and _awake(engines) == ("llama",)
+            # A request for the other model must wait: llama is in use, so it cannot be put to sleep yet.
+            other = asyncio.ensure_future(_final(pool.generate("qwen2", PROMPTS[0], GREEDY)))
+            await wait_until(lambda: "llama" in pool._leaving, "the switch to qwen2 waiting on llama")
+            stream = await engine.submit(PROMPTS[1], GREEDY)
+            assert len([out async for out in stream]) >= 1
+            assert _awake(engines) == ("llama",) and not other.done()
+        await asyncio.wait_for(other, 60)
+        assert _awake(engines) == ("qwen2",)
+
+
+async def test_sleep_and_wake_up_through_the_pool_respect_its_budget(llama_ckpt: Path, qwen2_ckpt: Path) -> None:
+    engines = _engines(llama_ckpt, qwen2_ckpt)
+    async with EnginePool(engines, max_awake=1) as pool:
+        assert await pool.wake_up("llama") is not None and _awake(engines) == ("llama",)
+        assert await pool.wake_up("llama") is None  # awake already
+        await pool.wake_up("qwen2")
+        assert _awake(engines) == ("qwen2",)  # llama was put to sleep to make room
+        report = await pool.sleep("qwen2", level=2)
+        assert report.level == 2 and _awake(engines) == ()
+        # Woken by a request, with the weights a level-2 sleep discarded reloaded.
+        refs = await _reference(qwen2_ckpt)
+        assert await _final(pool.generate("qwen2", PROMPTS[0], GREEDY)) == refs[0]

@@ -331,6 +331,11 @@ class AsyncEngine:
         """Ends a request with finish_reason "abort"; True if it was in flight."""
         return self._require_core().abort(request_id)
 
+    def abort_all(self) -> int:
+        """Ends every request in flight or queued with finish_reason "abort" (a server shutting down); returns
+        how many. New requests are still accepted."""
+        return self._require_core().abort_all()
+
     async def collective_rpc(
         self,
         method: str | Callable[..., Any],
