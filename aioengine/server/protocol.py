@@ -27,7 +27,7 @@ class StreamOptions(_Request):
     """A last chunk with the usage and no choices (every other chunk then says ``"usage": null``)."""
 
 
-class _Sampling(_Request):
+class SamplingFields(_Request):
     """The fields completions and chat share."""
 
     model: str
@@ -55,7 +55,7 @@ class _Sampling(_Request):
     """vLLM's: requests with different salts never share prefix-cache blocks."""
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: CompletionPrompt
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -87,7 +87,7 @@ class ResponseFormat(_Request):
     """Only plain text: structured output (json_object, json_schema) is not built."""
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
