@@ -20,6 +20,7 @@ COMMANDS = {
     "preemption": "preemption by recompute vs swap for long contexts on a small KV cache: seconds per preemption",
     "sleep_wake": "sleep and wake seconds per level beside a memcpy floor",
     "weight_swap": "hot weight swap seconds and stream gaps beside disk floors",
+    "serving": "HTTP overhead: streamed /v1/completions vs AsyncEngine.generate per concurrency; req/s, TTFT, ITL",
 }
 
 
