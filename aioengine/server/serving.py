@@ -89,17 +89,11 @@ class OpenAIServing:
                 sub = rid if len(prompts) == 1 else f"{rid}-{i}"
                 await self._submit(call, body.model, prompt, params, sub, i * body.n, body.cache_salt, text)
         except BaseException as exc:
-            await call.close()
-            raise engine_error(exc) if isinstance(exc, Exception) else exc from None
+            raise await _failed(call, exc) from None
         created = int(time.time())
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return sse(self._completion_chunks(call, body, rid, created, include_usage), call)
-        try:
-            async for _job, _out in merged(call.jobs):
-                pass
-        finally:
-            await call.close()
+            return sse(self._completion_chunks(call, body, rid, created, _include_usage(body)), call)
+        await _drain(call)
         choices = [
             _completion_choice(job, o, body, call.engine.tokenizer) for job in call.jobs for o in _outputs(job.last)
         ]
@@ -185,17 +179,11 @@ class OpenAIServing:
             params = sampling_params(body, max_tokens=max_tokens, logprobs=top if body.logprobs else None)
             await self._submit(call, body.model, ids, params, rid, 0, body.cache_salt)
         except BaseException as exc:
-            await call.close()
-            raise engine_error(exc) if isinstance(exc, Exception) else exc from None
+            raise await _failed(call, exc) from None
         created = int(time.time())
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return sse(self._chat_chunks(call, body, rid, created, include_usage), call)
-        try:
-            async for _job, _out in merged(call.jobs):
-                pass
-        finally:
-            await call.close()
+            return sse(self._chat_chunks(call, body, rid, created, _include_usage(body)), call)
+        await _drain(call)
         job = call.jobs[0]
         choices = [
             ChatChoice(
@@ -254,6 +242,26 @@ class OpenAIServing:
             last = ChatCompletionChunk(id=rid, created=created, model=body.model, system_fingerprint=fingerprint,
                                        choices=[], usage=call.usage())  # fmt: skip
             yield last.model_dump()
+
+
+async def _failed(call: Call, exc: BaseException) -> BaseException:
+    """Before the answer started: the engine requests queued so far are aborted, the engine released, and the
+    error becomes the HTTP error (a cancellation stays one)."""
+    await call.close()
+    return engine_error(exc) if isinstance(exc, Exception) else exc
+
+
+async def _drain(call: Call) -> None:
+    """A non-streamed answer: waits for every job's last output."""
+    try:
+        async for _job, _out in merged(call.jobs):
+            pass
+    finally:
+        await call.close()
+
+
+def _include_usage(body: SamplingFields) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
 
 
 # ---- request fields --------------------------------------------------------------------------------------
