@@ -55,7 +55,7 @@ async def test_a_request_to_an_awake_model_does_not_wait_for_a_switch_draining_a
         busy_b = asyncio.ensure_future(last_output(pool.generate("b", PROMPT, LONG)))
         await wait_until(lambda: pool.stats().active == {"a": 1, "b": 1, "c": 0}, "a and b are busy")
         switch = asyncio.ensure_future(last_output(pool.generate("c", PROMPT, GREEDY)))
-        await wait_until(lambda: pool.tenants["a"].engine.stats().draining, "the switch drains a, the least recent")
+        await wait_until(lambda: pool.stats().leaving == ("a",), "the switch waits for a, the least recent")
         out = await last_output(pool.generate("b", PROMPT, GREEDY))  # b is awake and stays so
         assert list(out.token_ids) == expected
         assert not switch.done(), "b's request finished while the switch was still draining a"
@@ -70,7 +70,7 @@ async def test_a_client_gone_during_a_switch_leaves_both_models_serving(llama_ck
         busy = asyncio.ensure_future(last_output(pool.generate("a", PROMPT, SamplingParams(max_tokens=60))))
         await wait_until(lambda: pool.stats().active["a"] == 1, "a is busy")
         switching = asyncio.ensure_future(last_output(pool.generate("b", PROMPT, GREEDY)))
-        await wait_until(lambda: pool.tenants["a"].engine.stats().draining, "the switch drains a")
+        await wait_until(lambda: pool.stats().leaving == ("a",), "the switch waits for a")
         switching.cancel()  # the client disconnects while a is being put to sleep
         with pytest.raises(asyncio.CancelledError):
             await switching

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aioengine.config import EngineConfig
@@ -35,11 +35,28 @@ class _Tenant:
     engine: AsyncEngine
     footprint: int = 0
     active: int = 0
+    """Callers inside ``use()``: the engine is not put to sleep under them."""
     last_used: float = 0.0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while ``active == 0``."""
+
+    def __post_init__(self) -> None:
+        self.idle.set()
 
     @property
     def awake(self) -> bool:
         return self.engine.is_awake
+
+    def enter(self) -> None:
+        self.active += 1
+        self.idle.clear()
+        self.last_used = time.monotonic()
+
+    def leave(self) -> None:
+        self.active -= 1
+        self.last_used = time.monotonic()
+        if self.active == 0:
+            self.idle.set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +68,8 @@ class PoolStats:
     budget_bytes: int | None
     footprints: dict[str, int]
     active: dict[str, int]
+    leaving: tuple[str, ...] = ()
+    """Engines a switch is putting to sleep (it waits for their callers first); their new callers wait for it."""
 
 
 class EnginePool:
@@ -141,8 +160,7 @@ class EnginePool:
         try:
             yield tenant.engine
         finally:
-            tenant.active -= 1
-            tenant.last_used = time.monotonic()
+            tenant.leave()
 
     async def generate(
         self,
@@ -164,17 +182,21 @@ class EnginePool:
             return await tenant.engine.sleep(self.sleep_level if level is None else level, mode=mode)
 
     async def wake_up(self, model_name: str, tags: Iterable[str] | None = None) -> WakeReport | None:
-        """Wakes one engine on request, first putting others to sleep as the budget demands (weights a level-2
-        sleep discarded are reloaded once it is fully awake). None if it was awake already."""
+        """Wakes one engine on request, first putting others to sleep as the budget demands. None if it was
+        awake already. Weights a level-2 sleep discarded stay discarded, as after ``AsyncEngine.wake_up``: push
+        new ones (``update_weights``) or ``reload_weights``; requests wait until then."""
         tenant = self._tenant(model_name)
         async with self._switch_lock:
-            return None if tenant.awake else await self._wake(model_name, tenant, tags)
+            return None if tenant.awake else await self._wake(model_name, tenant, tags, reload=False)
 
-    async def _wake(self, name: str, tenant: _Tenant, tags: Iterable[str] | None = None) -> WakeReport:
-        """With the switch lock held."""
+    async def _wake(
+        self, name: str, tenant: _Tenant, tags: Iterable[str] | None = None, reload: bool = True
+    ) -> WakeReport:
+        """With the switch lock held. ``reload``: a request is waiting, so weights a level-2 sleep discarded are
+        loaded again from the checkpoint the engine started from."""
         await self._make_room_for(name, tenant)
         report = await tenant.engine.wake_up(tags)
-        if tenant.awake and not tenant.engine.stats().weights_valid:  # a level-2 sleep discarded them
+        if reload and tenant.awake and not tenant.engine.stats().weights_valid:
             await tenant.engine.reload_weights()
         self.num_switches += 1
         logger.info("pool: %s awake (%d bytes)", name, tenant.footprint)
@@ -184,14 +206,12 @@ class EnginePool:
         if tenant.awake and name not in self._leaving:
             # Awake and staying so: no need to queue behind a switch of other models (which may be
             # waiting for a busy victim to drain).
-            tenant.active += 1
-            tenant.last_used = time.monotonic()
+            tenant.enter()
             return
         async with self._switch_lock:
             if not tenant.awake:
                 await self._wake(name, tenant)
-            tenant.active += 1
-            tenant.last_used = time.monotonic()
+            tenant.enter()
 
     async def _make_room_for(self, name: str, tenant: _Tenant) -> None:
         while True:
@@ -203,9 +223,10 @@ class EnginePool:
                 return
             # An idle engine first (nothing to drain), then the least recently used.
             victim_name, victim = min(awake, key=lambda item: (item[1].active > 0, item[1].last_used))
-            self._leaving.add(victim_name)
+            self._leaving.add(victim_name)  # from now on its new callers wait for this switch
             try:
-                await victim.engine.sleep(self.sleep_level, mode="wait")  # its requests finish first
+                await victim.idle.wait()  # the callers inside use() finish first, their requests with them
+                await victim.engine.sleep(self.sleep_level, mode="wait")
             finally:
                 self._leaving.discard(victim_name)
             logger.info("pool: %s asleep to make room for %s", victim_name, name)
@@ -236,6 +257,7 @@ class EnginePool:
             budget_bytes=self.budget_bytes,
             footprints={name: t.footprint for name, t in self.tenants.items()},
             active={name: t.active for name, t in self.tenants.items()},
+            leaving=tuple(self._leaving),
         )
 
     async def shutdown(self) -> None:

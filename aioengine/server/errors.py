@@ -9,12 +9,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from aioengine.errors import (
+    CheckpointError,
     ConfigurationError,
     EngineDeadError,
     EngineNotStartedError,
     EngineStateError,
     InvalidRequestError,
     UnknownModelError,
+    WeightsLostError,
 )
 from aioengine.server.protocol import error_body
 
@@ -93,6 +95,10 @@ def engine_error(exc: Exception) -> APIError:
         return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
+    if isinstance(exc, WeightsLostError):  # a source broke half-way: the engine serves nothing until a full write
+        return APIError(500, str(exc), type_="server_error", code="weights_lost")
+    if isinstance(exc, CheckpointError):  # a weight source that does not fit: nothing was changed
+        return APIError(400, str(exc), code="bad_checkpoint")
     if isinstance(exc, EngineDeadError | EngineNotStartedError):
         return APIError(503, str(exc), type_="server_error", code="engine_unavailable")
     if isinstance(exc, EngineStateError):

@@ -1,8 +1,9 @@
 """Logprobs in OpenAI's two layouts: the legacy completions lists and chat's per-token objects.
 
 JSON has no -inf: a token the sampler could not draw (masked, or outside top-k / top-p in "processed" mode)
-reports ``MIN_LOGPROB``, as vLLM does. ``top_logprobs`` hold the k most likely tokens (rank <= k), which
-include the chosen token only when it is one of them.
+reports ``MIN_LOGPROB``, as vLLM does. A completion's ``top_logprobs`` map the k most likely tokens and the
+chosen one (vLLM's layout: ``logprobs=0`` gives the chosen token alone); chat's list the k most likely
+(rank <= k), which hold the chosen token only when it is one of them, as OpenAI's do.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ def extend(
         into.tokens.append(text)
         into.token_logprobs.append(clamp(chosen.logprob) if chosen is not None else None)
         into.top_logprobs.append(
-            {lp.decoded_token: clamp(lp.logprob) for _, lp in top_entries(entry, k)} if entry is not None else None
+            {lp.decoded_token: clamp(lp.logprob) for lp in sorted(entry.values(), key=lambda lp: lp.rank)}
+            if entry is not None
+            else None
         )
         into.text_offset.append(offset if limit is None else min(offset, limit))
         offset += 0 if token in unprinted else len(text)
