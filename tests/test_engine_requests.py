@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from aioengine import AsyncEngine, RequestOutput, SamplingParams
+from aioengine.errors import InvalidRequestError
 from tests.engine_request_support import LONG, PROMPT, SEEDED, assert_deltas_build_the_text, decoded, greedy
 from tests.helpers import TIMEOUT, final, stream, wait_until, wait_until_idle
 
@@ -240,6 +241,39 @@ async def test_engine_serves_normally_after_an_abort(llama_engine):
             await llama_engine.abort("gone")
     again = await final(llama_engine, PROMPT, greedy(10, ignore_eos=True), request_id="gone")
     assert again.token_ids == reference.token_ids
+
+
+async def test_submit_refuses_a_bad_request_before_queueing_anything(llama_engine):
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        await llama_engine.submit(PROMPT, greedy(10**9))
+    stats = llama_engine.stats()
+    assert stats.requests_running == stats.requests_waiting == 0
+
+
+async def test_submit_queues_the_request_before_its_stream_is_read(llama_engine):
+    stream = await llama_engine.submit(PROMPT, greedy(4, ignore_eos=True))
+    assert llama_engine.stats().requests_running + llama_engine.stats().requests_waiting == 1
+    outputs = [out async for out in stream]
+    assert outputs[-1].finished and len(outputs[-1].token_ids) == 4
+    assert outputs[-1].token_ids == (await final(llama_engine, PROMPT, greedy(4, ignore_eos=True))).token_ids
+
+
+async def test_closing_a_submitted_stream_before_reading_it_aborts_the_request(llama_engine):
+    stream = await llama_engine.submit(PROMPT, greedy(LONG, ignore_eos=True))
+    await wait_until(lambda: llama_engine.stats().requests_running == 1, "the request running")
+    await stream.aclose()
+    await wait_until_idle(llama_engine)
+    assert [out async for out in stream] == [], "a closed stream yields nothing more"
+
+
+async def test_abort_all_ends_every_request_with_reason_abort(llama_engine):
+    streams = [await llama_engine.submit(PROMPT, greedy(LONG, ignore_eos=True)) for _ in range(3)]
+    await wait_until(lambda: llama_engine.stats().requests_running == 3, "three requests running")
+    assert llama_engine.abort_all() == 3
+    async with asyncio.timeout(TIMEOUT):
+        finals = [[out async for out in s][-1] for s in streams]
+    assert [out.finish_reason for out in finals] == ["abort"] * 3
+    await wait_until_idle(llama_engine)
 
 
 # --- a slow consumer --------------------------------------------------------------------------
