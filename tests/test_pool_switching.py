@@ -10,6 +10,7 @@ import pytest
 
 from aioengine import AsyncEngine, EnginePool, SamplingParams
 from aioengine.errors import ConfigurationError
+from aioengine.testing import build_checkpoint
 from tests.conftest import engine_config
 from tests.helpers import last_output, wait_until
 
@@ -87,3 +88,18 @@ async def test_a_pool_refused_at_start_leaves_no_worker_thread(llama_ckpt: Path)
         await pool.start()
     left = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("aioengine")]
     assert left == [], "the first engine's worker thread outlived the refused start"
+
+
+async def test_a_level_2_pool_keeps_weights_pushed_since_the_checkpoint(llama_ckpt: Path, tmp_path: Path) -> None:
+    pushed = build_checkpoint(tmp_path / "pushed", "llama", seed=1)
+    expected = await reference(pushed)
+    assert expected != await reference(llama_ckpt), "the pushed weights must answer differently"
+    async with EnginePool(configs(llama_ckpt, "ab"), max_awake=1, sleep_level=2) as pool:  # type: ignore[arg-type]
+        async with pool.use("a") as engine:
+            await engine.update_weights(pushed)
+        await last_output(pool.generate("b", PROMPT, GREEDY))  # a goes to sleep: level 1, its weights are pushed
+        assert pool.tenants["a"].engine.stats().sleeping
+        out = await last_output(pool.generate("a", PROMPT, GREEDY))
+        assert list(out.token_ids) == expected, "the switch lost the pushed weights"
+        await last_output(pool.generate("b", PROMPT, GREEDY))  # b was never pushed: level 2, reloaded on wake
+        assert list((await last_output(pool.generate("b", PROMPT, GREEDY))).token_ids) == await reference(llama_ckpt)

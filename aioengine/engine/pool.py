@@ -37,6 +37,9 @@ class _Tenant:
     active: int = 0
     """Callers inside ``use()``: the engine is not put to sleep under them."""
     last_used: float = 0.0
+    checkpoint_version: int = 0
+    """The ``weights_version`` at which the engine holds its checkpoint's weights (what a reload gives back);
+    past it, weights were pushed, and a level-2 sleep would lose them."""
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     """Set while ``active == 0``."""
 
@@ -124,6 +127,7 @@ class EnginePool:
         try:
             for name, tenant in self.tenants.items():
                 await tenant.engine.start()
+                tenant.checkpoint_version = tenant.engine.weights_version
                 report = await tenant.engine.sleep(self.sleep_level, mode="wait")
                 tenant.footprint = report.freed_bytes.total
                 if self.budget_bytes is not None and tenant.footprint > self.budget_bytes:
@@ -198,6 +202,7 @@ class EnginePool:
         report = await tenant.engine.wake_up(tags)
         if reload and tenant.awake and not tenant.engine.stats().weights_valid:
             await tenant.engine.reload_weights()
+            tenant.checkpoint_version = tenant.engine.weights_version
         self.num_switches += 1
         logger.info("pool: %s awake (%d bytes)", name, tenant.footprint)
         return report
@@ -226,10 +231,17 @@ class EnginePool:
             self._leaving.add(victim_name)  # from now on its new callers wait for this switch
             try:
                 await victim.idle.wait()  # the callers inside use() finish first, their requests with them
-                await victim.engine.sleep(self.sleep_level, mode="wait")
+                await victim.engine.sleep(self._switch_level(victim), mode="wait")
             finally:
                 self._leaving.discard(victim_name)
             logger.info("pool: %s asleep to make room for %s", victim_name, name)
+
+    def _switch_level(self, tenant: _Tenant) -> SleepLevel:
+        """The pool's ``sleep_level``, except level 1 for an engine whose weights were pushed since its
+        checkpoint was loaded: level 2 would discard them, and the wake would reload the checkpoint."""
+        if self.sleep_level == 2 and tenant.engine.weights_version != tenant.checkpoint_version:
+            return 1
+        return self.sleep_level
 
     async def _sleep_idle_engines(self) -> None:
         assert self.idle_timeout is not None
@@ -240,7 +252,7 @@ class EnginePool:
                 for name, tenant in self.tenants.items():
                     if tenant.awake and tenant.active == 0 and now - tenant.last_used >= self.idle_timeout:
                         try:
-                            await tenant.engine.sleep(self.sleep_level, mode="wait")
+                            await tenant.engine.sleep(self._switch_level(tenant), mode="wait")
                         except Exception:  # one engine's failure must not end idle sleeping for all
                             logger.exception("pool: putting idle %s to sleep failed; it stays awake", name)
                             tenant.last_used = now  # try again after another idle_timeout
