@@ -495,9 +495,13 @@ class AsyncEngine:
 
 def _make_executor(config: EngineConfig) -> Executor:
     backend = config.parallel.distributed_executor_backend
+    if backend == "mp":
+        from aioengine.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
     if backend != "thread":
         raise ConfigurationError(
-            f"parallel.distributed_executor_backend={backend!r} is not built yet; use 'thread' "
+            f"parallel.distributed_executor_backend={backend!r} is not built yet; use 'thread' or 'mp' "
             "(with tensor_parallel_size=1)"
         )
     from aioengine.executor.thread import ThreadExecutor

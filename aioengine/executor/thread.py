@@ -63,9 +63,8 @@ class ThreadExecutor(Executor):
     def __init__(self, config: Any) -> None:
         if config.parallel.tensor_parallel_size != 1:
             raise ConfigurationError(
-                f"parallel.tensor_parallel_size={config.parallel.tensor_parallel_size} needs a multi-process "
-                "executor (parallel.distributed_executor_backend='mp' or 'ray'), which is not built yet; "
-                "use tensor_parallel_size=1 with the thread executor"
+                f"parallel.tensor_parallel_size={config.parallel.tensor_parallel_size}: the tensor-parallel layers "
+                "are not built yet, and the thread executor runs one worker; use tensor_parallel_size=1"
             )
         self.config = config
         self.world_size = 1

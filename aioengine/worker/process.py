@@ -1,0 +1,105 @@
+"""The worker process of ``MultiprocExecutor``: one rank's ``WorkerWrapper``, serving the calls of its two
+lanes (steps and RPCs in order on the main thread, ``run_aside`` on a second one) from the engine process.
+
+Below the executor, so no asyncio here: plain pipes and threads. The wire format is the executor's (see
+``aioengine.executor.multiproc``): ``(call_id, method, args, kwargs)`` in, ``(call_id, ok, value)`` out.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import traceback
+from multiprocessing.connection import Connection
+
+import cloudpickle  # type: ignore[import-untyped]
+
+from aioengine.worker.wrapper import WorkerWrapper
+
+
+def dumps(obj: object) -> bytes:
+    """Plain pickle, or cloudpickle for what plain pickle cannot take (lambdas, local classes)."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        data: bytes = cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return data
+
+
+def worker_main(rank: int, step_conn: Connection, aside_conn: Connection) -> None:
+    """A worker process's life: the step lane on the main thread, the aside lane on a second one."""
+    # Ctrl-C in a terminal reaches the whole process group; the engine process decides how workers end.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    wrapper = WorkerWrapper(rank)
+    aside = threading.Thread(
+        target=_serve, args=(aside_conn, wrapper, True), name=f"aioengine-aside-{rank}", daemon=True
+    )
+    aside.start()
+    _serve(step_conn, wrapper, False)
+
+
+def _serve(conn: Connection, wrapper: WorkerWrapper, is_aside: bool) -> None:
+    """Runs the calls of one lane in order until asked to stop or the engine process is gone."""
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            if is_aside:
+                # The engine process closes the lanes only once this process ended, so it is gone: end
+                # now, even while the step lane is inside a long call.
+                os._exit(1)
+            return
+        reply, stop = _run(data, wrapper)
+        try:
+            conn.send_bytes(reply)
+        except OSError:
+            return
+        if stop:
+            return
+
+
+def _run(data: bytes, wrapper: WorkerWrapper) -> tuple[bytes, bool]:
+    """One call: its reply on the wire, and whether it asked the process to stop."""
+    call_id = None  # a message that cannot be read is answered as the oldest call of its lane
+    stop = False
+    try:
+        call_id, method, args, kwargs = pickle.loads(data)
+        if method is None:
+            stop = True
+            if wrapper.worker is not None:
+                wrapper.worker.shutdown()
+            result = None
+        elif isinstance(method, str):
+            result = getattr(wrapper, method)(*args, **kwargs)
+        else:
+            result = pickle.loads(method)(wrapper.worker, *args, **kwargs)
+    except Exception as exc:
+        return _reply(call_id, False, portable_error(exc, wrapper.rank), wrapper.rank), stop
+    return _reply(call_id, True, result, wrapper.rank), stop
+
+
+def _reply(call_id: int | None, ok: bool, value: object, rank: int) -> bytes:
+    try:
+        return dumps((call_id, ok, value))
+    except Exception as exc:
+        error = RuntimeError(
+            f"worker rank {rank}: the result ({type(value).__qualname__}) cannot be sent to the engine process: "
+            f"{exc}; return plain data (numbers, strings, lists, dicts, dataclasses)"
+        )
+        return pickle.dumps((call_id, False, error))
+
+
+def portable_error(exc: Exception, rank: int) -> BaseException:
+    """``exc`` itself, with the worker's traceback as a note, when it survives pickling; else a RuntimeError
+    carrying its type, message and traceback."""
+    trace = "".join(traceback.format_exception(exc))
+    try:
+        exc.add_note(f"raised in worker rank {rank} (pid {os.getpid()}):\n{trace}")
+        pickle.loads(dumps(exc))
+    except Exception:
+        return RuntimeError(
+            f"worker rank {rank} raised {type(exc).__qualname__}: {exc} (it cannot be sent as it is):\n{trace}"
+        )
+    return exc
