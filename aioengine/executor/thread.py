@@ -108,20 +108,27 @@ class ThreadExecutor(Executor):
     ) -> Any:
         futures = [self._call(rank, method, args, kwargs or {}) for rank in range(self.world_size)]
         name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
-        try:
-            results = await asyncio.wait_for(asyncio.gather(*futures), timeout)
-        except TimeoutError:
+        # asyncio.wait, not wait_for: a timeout must not cancel the futures, which track the call until it
+        # returns (cancelling them would end the overdue record at once while the call still runs).
+        _, running = await asyncio.wait(futures, timeout=timeout)
+        if running:
             # The call keeps its worker thread until it returns (a thread cannot be interrupted), and the
             # steps queued behind it wait: say so until it is over.
             since = time.monotonic()
-            for future in futures:
+            for future in running:
                 self._overdue[future] = (name, since)
-                future.add_done_callback(self._overdue.pop)
+                future.add_done_callback(self._overdue_done)
             raise TimeoutError(
                 f"collective_rpc {name!r} timed out after {timeout}s; it still runs on the worker thread and "
                 "model steps wait behind it until it returns"
-            ) from None
+            )
+        results = [future.result() for future in futures]
         return results[unique_reply_rank] if unique_reply_rank is not None else results
+
+    def _overdue_done(self, future: asyncio.Future[Any]) -> None:
+        self._overdue.pop(future, None)
+        if not future.cancelled():
+            future.exception()  # nobody awaits it any more: retrieved, so asyncio does not log it
 
     def overdue_calls(self) -> list[str]:
         now = time.monotonic()
