@@ -30,6 +30,7 @@ from aioengine.server.protocol import (
     ModelCard,
     ModelList,
     TokenizeRequest,
+    chat_messages,
     error_body,
 )
 from aioengine.server.serving import OpenAIServing
@@ -147,7 +148,8 @@ def build_app(pool: EnginePool, config: ServerConfig, metrics: ServerMetrics | N
 
     @app.get("/health")
     async def health() -> Response:
-        dead = [name for name, t in pool.tenants.items() if t.engine.stats().dead or not t.engine.stats().started]
+        stats = {name: t.engine.stats() for name, t in pool.tenants.items()}
+        dead = [name for name, s in stats.items() if s.dead or not s.started]
         if dead:
             return JSONResponse(error_body(f"engine not alive: {', '.join(dead)}", "server_error"), status_code=503)
         return Response(status_code=200)
@@ -163,7 +165,7 @@ def build_app(pool: EnginePool, config: ServerConfig, metrics: ServerMetrics | N
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         try:
             if body.messages is not None:
-                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                messages = chat_messages(body.messages)
                 ids = await engine.tokenize(messages=messages)
             elif body.add_special_tokens:
                 ids = await engine.tokenize(body.prompt)

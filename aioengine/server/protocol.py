@@ -82,6 +82,11 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The conversation as the chat template takes it: role and text content."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
 class ResponseFormat(_Request):
     type: Literal["text"]
     """Only plain text: structured output (json_object, json_schema) is not built."""

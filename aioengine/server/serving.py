@@ -37,6 +37,7 @@ from aioengine.server.protocol import (
     CompletionRequest,
     Delta,
     SamplingFields,
+    chat_messages,
 )
 from aioengine.server.streams import Call, Job, SSEStream, merged, sse
 
@@ -169,7 +170,7 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         call = await self._open(body.model)
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages = chat_messages(body.messages)
             ids = await call.engine.tokenize(messages=messages, request_id=rid)
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             if max_tokens is None:  # OpenAI's default: as many as the context leaves
