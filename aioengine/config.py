@@ -183,7 +183,19 @@ class ParallelConfig(_Section):
 
     tensor_parallel_size: int = Field(1, ge=1, description="Number of workers the model is sharded over.")
     distributed_executor_backend: Literal["thread", "mp", "ray"] = Field(
-        "thread", description="Where workers run: a thread, subprocesses ('mp') or Ray actors."
+        "thread",
+        description=(
+            "Where workers run: a thread, subprocesses ('mp') or Ray actors. tensor_parallel_size > 1 needs "
+            "'mp' or 'ray'."
+        ),
+    )
+    step_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "mp / ray: a model step or collective still running after this many seconds means a worker rank "
+            "hangs; the engine then reports dead and fails every request (as when a rank dies)."
+        ),
     )
     worker_cls: str = Field(
         "auto",
@@ -213,7 +225,12 @@ class DeviceConfig(_Section):
 
     device: str = Field("auto", description="'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     num_threads: int | None = Field(
-        None, ge=1, description="torch intra-op threads on CPU. None keeps torch's default."
+        None,
+        ge=1,
+        description=(
+            "torch intra-op threads on CPU (per rank). None keeps torch's default, or with tensor_parallel_size "
+            "> 1 gives each rank an equal share of the host's cores."
+        ),
     )
     cpu_kernels: bool = Field(
         True,

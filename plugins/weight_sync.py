@@ -24,7 +24,6 @@ The trainer side needs only :func:`trainer_group`, :func:`weight_metadata` and
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -33,7 +32,10 @@ import torch
 import torch.distributed as dist
 
 from aioengine.errors import AIOEngineError, CheckpointError, WeightsLostError
+from aioengine.loopback import LOOPBACK, free_port
 from aioengine.messages import WorkerWeightsReport
+from aioengine.model.loader import narrowed
+from aioengine.model.parallel import loopback_store, make_group
 from aioengine.worker.weights import SourceView, tensor_source
 
 __all__ = [
@@ -46,7 +48,6 @@ __all__ = [
     "weight_metadata",
 ]
 
-LOOPBACK = "127.0.0.1"
 WeightMeta = tuple[str, str, list[int]]
 """``(hf_name, dtype, shape)`` of one broadcast tensor, e.g. ``("lm_head.weight", "float32", [1088, 64])``."""
 
@@ -67,35 +68,7 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _group_options(timeout: timedelta) -> Any:
-    # torch's stubs name only ProcessGroupGloo.Options, which at run time is Backend.Options; the gloo one is private
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]  # default: the host's address
-    options._timeout = timeout
-    return options
-
-
-def _make_group(store: dist.Store, rank: int, world_size: int, backend: str, timeout: timedelta) -> Any:
-    """A process group of its own over ``store``; the global default group stays as it is."""
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, _group_options(timeout))
-    if backend == "nccl":
-        if not (torch.cuda.is_available() and hasattr(dist, "ProcessGroupNCCL")):
-            raise AIOEngineError("backend 'nccl' needs CUDA and a torch built with NCCL; use backend='gloo'")
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-
-
 # ---- trainer side -------------------------------------------------------------------------------------
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (another process may still take it before you do)."""
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
-
-
 def trainer_group(
     master_port: int, world_size: int, *, backend: str = "gloo", timeout: timedelta = timedelta(seconds=60)
 ) -> tuple[dist.Store, Any]:
@@ -105,18 +78,8 @@ def trainer_group(
     ``init_weight_update_group`` calls), so start those concurrently. Keep both returned objects
     alive while the group is in use; dropping them closes it.
     """
-    listener = socket.socket()
-    try:
-        listener.bind((LOOPBACK, master_port))  # TCPStore alone would listen on every interface
-        listener.listen()
-    except OSError:
-        listener.close()
-        raise
-    # The store takes the listening socket over (and closes it with itself).
-    store = dist.TCPStore(
-        LOOPBACK, master_port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach()
-    )
-    return store, _make_group(store, 0, world_size, backend, timeout)
+    store = loopback_store(master_port, 0, world_size, timeout)
+    return store, make_group(store, 0, world_size, backend, timeout)
 
 
 def weight_metadata(named_tensors: NamedTensors) -> list[WeightMeta]:
@@ -195,8 +158,9 @@ class WeightSyncExtension:
         if backend == "nccl" and self.device.type != "cuda":  # type: ignore[attr-defined]
             raise AIOEngineError("backend 'nccl' needs the engine on a CUDA device; use backend='gloo'")
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(LOOPBACK, master_port, world_size, is_master=False, timeout=timeout)
-        group = _make_group(store, rank + self.rank, world_size, backend, timeout)  # type: ignore[attr-defined]
+        group_rank = rank + self.rank  # type: ignore[attr-defined]
+        store = loopback_store(master_port, group_rank, world_size, timeout)
+        group = make_group(store, group_rank, world_size, backend, timeout)
         self._weight_sync_group = (store, group, backend)
 
     def receive_weights(
@@ -224,7 +188,9 @@ class WeightSyncExtension:
                 yield name, buf
 
         incoming = received()  # one stream: what a failed write left unread is drained from it below
-        source = SourceView([(n, s, d) for n, d, s in specs], lambda: incoming, tensors_checked=False)
+        source = SourceView(
+            [(n, s, d) for n, d, s in specs], lambda select: narrowed(incoming, select), tensors_checked=False
+        )
         try:
             return self.write_weights(source, partial=partial)  # type: ignore[attr-defined,no-any-return]
         except CheckpointError as exc:

@@ -259,8 +259,8 @@ async def test_a_shard_that_vanishes_mid_update_leaves_the_engine_refusing_to_se
     shards = sorted(sharded_b.glob("*.safetensors"))
     real = weights.iter_safetensors
 
-    def vanishing(files: Any) -> Any:
-        for i, item in enumerate(real(files)):
+    def vanishing(files: Any, select: Any = None) -> Any:
+        for i, item in enumerate(real(files, select)):
             yield item
             if i == 0:
                 shards[-1].unlink()  # the trainer's cleanup removes the next shard while we stream

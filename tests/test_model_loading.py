@@ -23,7 +23,7 @@ from aioengine.testing import build_checkpoint
 def load(path: Path, *, strict: bool = True) -> LlamaForCausalLM:
     """The loader's whole path, as the worker runs it on CPU in float32."""
     cfg = load_hf_config(path)
-    return load_model(path, cfg, torch.float32, torch.device("cpu"), 64, strict=strict)
+    return load_model(path, cfg, torch.float32, torch.device("cpu"), 64, strict=strict)[0]
 
 
 def copy_ckpt(src: Path, dst: Path) -> Path:

@@ -305,13 +305,9 @@ def engine_threads() -> set[threading.Thread]:
     ("parallel", "named"),
     [
         ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray'"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
-        (
-            {"distributed_executor_backend": "mp", "tensor_parallel_size": 2},
-            "tensor_parallel_size=2: the tensor-parallel layers are not built yet",
-        ),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2: the thread executor runs one worker; set "),
     ],
-    ids=["ray", "tp2", "mp-tp2"],
+    ids=["ray", "thread-tp2"],
 )
 async def test_an_executor_that_is_not_built_yet_is_refused_at_start_naming_the_setting_and_leaves_no_thread(
     make_engine, llama_ckpt: Path, parallel: dict[str, Any], named: str

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -48,9 +49,10 @@ from typing import Any
 
 import cloudpickle  # type: ignore[import-untyped]
 
-from aioengine.errors import ConfigurationError, EngineDeadError
+from aioengine.errors import EngineDeadError
 from aioengine.executor.base import Executor, execute_and_sample
 from aioengine.executor.thread import _bridge
+from aioengine.loopback import LOOPBACK, free_port
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.worker.process import dumps, worker_main
 
@@ -116,14 +118,10 @@ class MultiprocExecutor(Executor):
     """One worker process per rank (``spawn``), driven from the engine process over pipes."""
 
     def __init__(self, config: Any) -> None:
-        tp = config.parallel.tensor_parallel_size
-        if tp != 1:
-            raise ConfigurationError(
-                f"parallel.tensor_parallel_size={tp}: the tensor-parallel layers are not built yet, so the 'mp' "
-                "executor runs one worker process; use tensor_parallel_size=1"
-            )
         self.config = config
-        self.world_size = tp
+        self.world_size = config.parallel.tensor_parallel_size
+        self.step_timeout = float(config.parallel.step_timeout_s)
+        """A step that has not come back from every rank after this long means a hung rank: the executor dies."""
         self._lock = threading.Lock()
         """Guards the lanes' pending calls and the two flags below (the reader threads settle calls)."""
         self._closed = False
@@ -135,18 +133,28 @@ class MultiprocExecutor(Executor):
         self._ranks: list[_Rank] = []
         self._started = False
         """Every worker was built: a process that ends before that most likely could not start at all."""
+        self._steps: dict[int, float] = {}
+        """Steps sent and not answered by every rank yet: call id -> when sent (the watchdog's view)."""
+        self._wake_watchdog = threading.Event()
         context = multiprocessing.get_context("spawn")
         try:
             for rank in range(self.world_size):
                 self._start_rank(context, rank)
+            # Where the ranks of a tensor-parallel model meet (rank 0 hosts the group's store); on this host only.
+            meeting = f"tcp://{LOOPBACK}:{free_port()}" if self.world_size > 1 else None
             # Every worker is built in its own process (device set-up and torch threads are per process).
-            inits = [self._send("step", "init_worker", (config, r.rank), {}, "init_worker", [r]) for r in self._ranks]
+            inits = [
+                self._send("step", "init_worker", (config, r.rank, meeting), {}, "init_worker", [r])
+                for r in self._ranks
+            ]
             for [future] in inits:
                 future.result()
             self._started = True
         except BaseException:
             self.shutdown()
             raise
+        self._watchdog = threading.Thread(target=self._watch_steps, name="aioengine-mp-watchdog", daemon=True)
+        self._watchdog.start()
 
     @property
     def processes(self) -> list[BaseProcess]:
@@ -194,9 +202,12 @@ class MultiprocExecutor(Executor):
         name: str,
         ranks: list[_Rank] | None = None,
         force: bool = False,
+        watched: bool = False,
     ) -> list[concurrent.futures.Future[Any]]:
         """Sends one call to every rank (or to ``ranks``), pickled once, behind the calls already sent on
-        that lane. Refused once the executor is dead or shut down, unless ``force`` (the stop message)."""
+        that lane. Refused once the executor is dead or shut down, unless ``force`` (the stop message).
+        A ``watched`` call (a step) that is not answered by every rank within ``step_timeout`` kills the
+        executor (``_watch_steps``)."""
         call_id = next(self._call_ids)
         try:
             data = dumps((call_id, method, args, kwargs))
@@ -218,10 +229,22 @@ class MultiprocExecutor(Executor):
                 target.pending[call_id] = future
                 target.outbox.put(data)
                 futures.append(future)
+            if watched:
+                self._steps[call_id] = time.monotonic()
+                self._wake_watchdog.set()
+        if watched:
+            answered = functools.partial(self._step_answered, call_id)
+            for future in futures:
+                future.add_done_callback(answered)
         return futures
 
     def _call(
-        self, lane: str, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        lane: str,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        watched: bool = False,
     ) -> tuple[str, list[asyncio.Future[Any]]]:
         wire: str | bytes
         if isinstance(method, str):
@@ -229,7 +252,7 @@ class MultiprocExecutor(Executor):
         else:
             name = getattr(method, "__qualname__", repr(method))
             wire = _STEP if method is execute_and_sample else _dumps_callable(method, name)
-        return name, [_bridge(f) for f in self._send(lane, wire, args, kwargs, name)]
+        return name, [_bridge(f) for f in self._send(lane, wire, args, kwargs, name, watched=watched)]
 
     async def collective_rpc(
         self,
@@ -266,13 +289,47 @@ class MultiprocExecutor(Executor):
 
     def submit_step(self, scheduler_output: SchedulerOutput) -> asyncio.Future[ModelRunnerOutput]:
         # Sent right here, behind every call submitted before it; rank 0's output is the step's.
-        _, futures = self._call("step", execute_and_sample, (scheduler_output,), {})
+        _, futures = self._call("step", execute_and_sample, (scheduler_output,), {}, watched=True)
+        for future in futures[1:]:
+            future.add_done_callback(_retrieve)  # a failing rank's error reaches the caller through rank 0's
         output: asyncio.Future[ModelRunnerOutput] = futures[0]
         return output
 
     async def run_aside(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         _, futures = self._call("aside", method, args, {})
         return list(await asyncio.gather(*futures))
+
+    # ---- watching for a hung rank ------------------------------------------------------------------------
+    def _step_answered(self, call_id: int, _: object = None) -> None:
+        with self._lock:
+            if call_id in self._steps and not any(call_id in r.step.pending for r in self._ranks):
+                del self._steps[call_id]
+
+    def _watch_steps(self) -> None:
+        """Fails the executor when a step outlives ``step_timeout`` on some rank (a rank that hangs, in a
+        collective its peers left or anywhere else, never answers; a rank that dies is seen by its reader)."""
+        while True:
+            with self._lock:
+                if self._closed or self._dead is not None:
+                    return
+                oldest = min(self._steps.items(), key=lambda item: item[1], default=None)
+                late = None
+                if oldest is not None and time.monotonic() - oldest[1] > self.step_timeout:
+                    late = [r for r in self._ranks if oldest[0] in r.step.pending]
+                    self._dead = (
+                        f"worker rank(s) {[r.rank for r in late]} did not finish a model step within "
+                        f"parallel.step_timeout_s={self.step_timeout:g}s (hung); the engine cannot serve without "
+                        "them: create a new engine"
+                    )
+            if late is not None:
+                logger.error("%s", self._dead)
+                self._fail_pending()
+                for rank in late:  # a hung process holds its device and cores: it is gone now
+                    rank.process.kill()
+                return
+            # Until the oldest step's deadline, or until a step is sent (or the executor closes).
+            self._wake_watchdog.wait(None if oldest is None else oldest[1] + self.step_timeout - time.monotonic())
+            self._wake_watchdog.clear()
 
     # ---- receiving -------------------------------------------------------------------------------------
     def _read(self, worker: _Rank) -> None:
@@ -357,6 +414,7 @@ class MultiprocExecutor(Executor):
             if self._closed:
                 return
             self._closed = True
+        self._wake_watchdog.set()
         deadline = time.monotonic() + STOP_SECONDS
         alive = [r for r in self._ranks if r.process.is_alive()]
         stops = self._send("step", None, (), {}, "shutdown", alive, force=True) if alive else []

@@ -63,8 +63,9 @@ class ThreadExecutor(Executor):
     def __init__(self, config: Any) -> None:
         if config.parallel.tensor_parallel_size != 1:
             raise ConfigurationError(
-                f"parallel.tensor_parallel_size={config.parallel.tensor_parallel_size}: the tensor-parallel layers "
-                "are not built yet, and the thread executor runs one worker; use tensor_parallel_size=1"
+                f"parallel.tensor_parallel_size={config.parallel.tensor_parallel_size}: the thread executor runs "
+                "one worker; set parallel.distributed_executor_backend='mp' (a process per rank) for tensor "
+                "parallelism"
             )
         self.config = config
         self.world_size = 1

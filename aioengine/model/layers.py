@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aioengine.model.parallel import SINGLE, TensorParallel
+
 logger = logging.getLogger(__name__)
 
 
@@ -42,11 +44,15 @@ class Linear(nn.Linear):
     """The storage the copy was made from, held so a swapped-in storage can never reuse its address."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias``, from the packed copy where packing is on."""
         if self.prepack_hint is None or (torch.is_grad_enabled() and self.weight.requires_grad):
-            return F.linear(x, self.weight, self.bias)  # the oneDNN op has no autograd: inference only
+            return F.linear(x, self.weight, bias)  # the oneDNN op has no autograd: inference only
         if self._packed_key != _weight_key(self.weight) and not self.pack():
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+            return F.linear(x, self.weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
 
     def pack(self) -> int:
         """Reorders the current weight now; returns the bytes of the copy. Turns packing off on error."""
@@ -67,6 +73,41 @@ class Linear(nn.Linear):
         self._packed = None
         self._packed_key = None
         self._packed_source = None
+
+
+class RowParallelLinear(Linear):
+    """A linear layer whose input features are split over the tensor-parallel ranks: each rank multiplies
+    its slice, the partial sums are all-reduced, and the bias (replicated) is added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.project(x, self.bias)
+        out = self.tp.all_reduce(self.project(x, None))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabEmbedding(nn.Module):
+    """The token embedding; under tensor parallelism each rank holds ``vocab / tp`` rows (rank ``r`` the ids
+    ``[r * rows, (r + 1) * rows)``), looks up the ids it holds, zeroes the others, and the ranks sum."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.rows = tp.partition(vocab_size, "vocab_size")
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0.0))
 
 
 def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
@@ -213,15 +254,15 @@ class GatedMLP(nn.Module):
 
     kernels: ModuleType | None = None
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if act not in ("silu", "swish"):
             from aioengine.errors import UnsupportedModelError
 
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported; supported: silu")
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.intermediate_size = tp.partition(intermediate_size, "intermediate_size")  # this rank's share
+        self.gate_up_proj = Linear(hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = RowParallelLinear(self.intermediate_size, hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

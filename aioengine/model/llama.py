@@ -6,6 +6,7 @@ Module names mirror HF's so checkpoint names map one to one, except the fused pr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
@@ -14,16 +15,38 @@ import torch
 from torch import nn
 
 from aioengine.model.attention import AttentionMetadata, paged_attention
-from aioengine.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, drop_packed_weights
+from aioengine.model.layers import (
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabEmbedding,
+    drop_packed_weights,
+)
+from aioengine.model.parallel import SINGLE, TensorParallel
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """The part of a checkpoint tensor one tensor-parallel rank holds: ``[start, start + size)`` along ``dim``
+    of a tensor that has ``full`` there."""
+
+    dim: int
+    start: int
+    size: int
+    full: int
 
 
 @dataclass(frozen=True, slots=True)
 class WeightTarget:
-    """Where one checkpoint tensor goes: rows ``[offset, offset + size)`` of parameter ``param``."""
+    """Where one checkpoint tensor goes: rows ``[offset, offset + size)`` of parameter ``param``; under tensor
+    parallelism only the checkpoint tensor's ``shard`` (None: all of it, a replicated tensor)."""
 
     param: str
     offset: int = 0
     size: int | None = None  # None: the whole parameter
+    shard: Shard | None = None
 
 
 def head_dim_of(hf_config: Any) -> int:
@@ -34,17 +57,36 @@ def num_kv_heads_of(hf_config: Any) -> int:
     return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
 
 
+def tp_heads(cfg: Any, tp: TensorParallel) -> tuple[int, int, int]:
+    """This rank's query heads, KV heads, and the first KV head it holds. Query heads split evenly; KV heads
+    too when there are at least ``tp`` of them, else each is replicated on ``tp / num_kv_heads`` ranks."""
+    heads, kv_heads = cfg.num_attention_heads, num_kv_heads_of(cfg)
+    if heads % tp.size or (kv_heads % tp.size if kv_heads >= tp.size else tp.size % kv_heads):
+        from aioengine.errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"the model has {heads} attention heads and {kv_heads} KV heads, which cannot be split over "
+            f"tensor_parallel_size={tp.size}: it must divide the attention heads, and divide the KV heads or be "
+            "a multiple of them"
+        )
+    if kv_heads >= tp.size:
+        local_kv = kv_heads // tp.size
+        return heads // tp.size, local_kv, tp.rank * local_kv
+    return heads // tp.size, 1, tp.rank * kv_heads // tp.size
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, cfg: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel
+    ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = num_kv_heads_of(cfg)
+        self.num_heads, self.num_kv_heads, self.first_kv_head = tp_heads(cfg, tp)  # this rank's
         self.head_dim = head_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, o_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -65,10 +107,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, cfg: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, qkv_bias, o_bias, qk_norm)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.self_attn = LlamaAttention(cfg, rotary, qkv_bias, o_bias, qk_norm, tp)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -80,27 +124,41 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, max_positions: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, cfg: Any, max_positions: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg), max_positions)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.rotary_emb, qkv_bias, o_bias, qk_norm) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, self.rotary_emb, qkv_bias, o_bias, qk_norm, tp) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole family; ``qkv_bias`` (Qwen2) and ``qk_norm`` (Qwen3) switch the differences."""
+    """The whole family; ``qkv_bias`` (Qwen2) and ``qk_norm`` (Qwen3) switch the differences.
+
+    Under tensor parallelism (``tp.size > 1``) this is one rank's shard: attention by heads, the MLP by
+    intermediate rows, embedding and LM head by vocabulary rows; every rank returns the full logits.
+    """
 
     def __init__(
-        self, cfg: Any, max_positions: int, *, qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False
+        self,
+        cfg: Any,
+        max_positions: int,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions, qkv_bias, o_bias, qk_norm)
+        self.tp = tp
+        self.model = LlamaModel(cfg, max_positions, qkv_bias, o_bias, qk_norm, tp)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, self.model.embed_tokens.rows, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -127,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, positions, kv_cache, meta)
         x = self.model.norm(x[logits_indices])  # norm is per token: skip rows that do not sample
-        return self.lm_head(x).float()
+        return self.tp.all_gather(self.lm_head(x).float())
 
     # ---- weight names -------------------------------------------------------------------------------
     _FUSED: ClassVar[dict[str, tuple[str, int]]] = {
@@ -148,20 +206,46 @@ class LlamaForCausalLM(nn.Module):
         if hf_name == "lm_head.weight" and self.tie_word_embeddings:
             return None
         parts = hf_name.rsplit(".", 2)
+        layer = cast(LlamaDecoderLayer, self.model.layers[0])
         if len(parts) == 3 and parts[1] in self._FUSED:
             fused, shard = self._FUSED[parts[1]]
-            attn = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn
+            attn = layer.self_attn
             sizes = (
-                (attn.q_size, attn.kv_size, attn.kv_size)
-                if fused == "qkv_proj"
-                else (self.config.intermediate_size,) * 2
+                (attn.q_size, attn.kv_size, attn.kv_size) if fused == "qkv_proj" else (layer.mlp.intermediate_size,) * 2
             )
             target = WeightTarget(f"{parts[0]}.{fused}.{parts[2]}", sum(sizes[:shard]), sizes[shard])
         else:
             target = WeightTarget(hf_name)
+        if self.tp.size > 1 and len(parts) >= 2:
+            target = dataclasses.replace(target, shard=self._shard(parts[-2], parts[-1], layer))
         if target.param not in self._param_names:
             raise KeyError(hf_name)
         return target
+
+    def _shard(self, module: str, kind: str, layer: LlamaDecoderLayer) -> Shard | None:
+        """This rank's part of a checkpoint tensor of ``module`` (its last name), by the layout in the class
+        docstring; None for a replicated tensor (norms, and the bias of a row-parallel layer)."""
+        attn, rank = layer.self_attn, self.tp.rank
+        q, kv, hd = attn.q_size, attn.kv_size, attn.head_dim
+        mlp = layer.mlp.intermediate_size
+        rows = self.model.embed_tokens.rows
+        layouts = {
+            "q_proj": (0, rank * q, q, q * self.tp.size),
+            "k_proj": (0, attn.first_kv_head * hd, kv, num_kv_heads_of(self.config) * hd),
+            "o_proj": (1, rank * q, q, q * self.tp.size),
+            "gate_proj": (0, rank * mlp, mlp, mlp * self.tp.size),
+            "down_proj": (1, rank * mlp, mlp, mlp * self.tp.size),
+            "embed_tokens": (0, rank * rows, rows, rows * self.tp.size),
+        }
+        layouts["v_proj"], layouts["up_proj"], layouts["lm_head"] = (
+            layouts["k_proj"],
+            layouts["gate_proj"],
+            layouts["embed_tokens"],
+        )
+        layout = layouts.get(module)
+        if layout is None or (layout[0] == 1 and kind != "weight"):
+            return None
+        return Shard(*layout)
 
     @functools.cached_property
     def _param_names(self) -> frozenset[str]:
@@ -169,8 +253,9 @@ class LlamaForCausalLM(nn.Module):
         return frozenset(n for n, _ in self.named_parameters(remove_duplicate=False))
 
 
-def build_model(cfg: Any, max_positions: int) -> LlamaForCausalLM:
-    """Instantiates the model class for ``cfg.architectures[0]`` (parameters uninitialised)."""
+def build_model(cfg: Any, max_positions: int, tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+    """Instantiates the model class for ``cfg.architectures[0]`` (parameters uninitialised): this rank's
+    shard of it under tensor parallelism."""
     arch = cfg.architectures[0]
     attention_bias = bool(getattr(cfg, "attention_bias", False))
     qwen2 = arch == "Qwen2ForCausalLM"  # q/k/v carry a bias, o_proj never does
@@ -180,6 +265,7 @@ def build_model(cfg: Any, max_positions: int) -> LlamaForCausalLM:
         qkv_bias=qwen2 or attention_bias,
         o_bias=attention_bias and not qwen2,
         qk_norm=arch == "Qwen3ForCausalLM",
+        tp=tp,
     )
 
 

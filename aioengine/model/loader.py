@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 
 from aioengine.errors import CheckpointError, UnsupportedModelError
-from aioengine.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, WeightTarget, build_model
+from aioengine.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, Shard, WeightTarget, build_model
+from aioengine.model.parallel import SINGLE, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +91,29 @@ def _open_error(file: Path, exc: Exception) -> CheckpointError:
     return CheckpointError(f"cannot read {file}: {exc} (truncated or not a safetensors file?)")
 
 
-def iter_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields ``(name, tensor)`` one tensor at a time, so peak extra memory is one tensor."""
+Selector = Callable[[str], WeightTarget | None]
+"""Where a checkpoint tensor goes in this rank's model (``WeightPlan.targets.get``); None: not read at all."""
+
+
+def shard_for_rank(tensor: torch.Tensor, shard: Shard | None) -> torch.Tensor:
+    """This rank's part of a full checkpoint tensor (a view): THE place tensor parallelism slices weights."""
+    return tensor if shard is None else tensor.narrow(shard.dim, shard.start, shard.size)
+
+
+def narrowed(pairs: Iterable[tuple[str, torch.Tensor]], select: Selector) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors held in memory, as this rank's parts; names with no place are dropped."""
+    for name, tensor in pairs:
+        target = select(name)
+        if target is not None:
+            yield name, shard_for_rank(tensor, target.shard)
+
+
+def iter_safetensors(files: Iterable[Path], select: Selector | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields ``(name, tensor)`` one tensor at a time, so peak extra memory is one tensor.
+
+    With ``select``, only the tensors it places are read, and of a sharded one only this rank's slice
+    (``safe_open`` slices: the rest of the tensor is never read into memory).
+    """
     for file in files:
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
@@ -99,7 +121,20 @@ def iter_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]
             raise _open_error(file, exc) from exc
         with handle as f:
             for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
-                yield name, f.get_tensor(name)
+                if select is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                target = select(name)
+                if target is None:
+                    continue
+                if target.shard is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                shard = target.shard
+                view = f.get_slice(name)
+                index = [slice(None)] * len(view.get_shape())
+                index[shard.dim] = slice(shard.start, shard.start + shard.size)
+                yield name, view[tuple(index)]
 
 
 _ST_DTYPES = {
@@ -171,8 +206,11 @@ class WeightPlan:
         if target is None:
             return None
         dst = self._piece(target)
-        if tuple(dst.shape) != tuple(shape):
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(shape)}, the model expects {tuple(dst.shape)}")
+        expected = list(dst.shape)
+        if target.shard is not None:  # the checkpoint holds the whole tensor; this rank takes its shard
+            expected[target.shard.dim] = target.shard.full
+        if tuple(expected) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(shape)}, the model expects {tuple(expected)}")
         if not _castable(dtype, dst.dtype):
             raise CheckpointError(f"tensor {name!r} has dtype {dtype}, which cannot be cast safely to {dst.dtype}")
         self.filled[target.param].add((target.offset, dst.shape[0] if dst.dim() else 1))
@@ -226,7 +264,7 @@ def load_weights(
     for name, tensor in weights:
         target = plan.check(name, tensor.shape, tensor.dtype)
         if target is not None:
-            plan.destination(target).copy_(tensor)
+            plan.destination(target).copy_(shard_for_rank(tensor, target.shard))
             written += 1
     plan.finish()
     return written
@@ -248,13 +286,26 @@ def load_model(
     max_positions: int,
     *,
     strict: bool = True,
-) -> LlamaForCausalLM:
-    """Builds the model without initialising it (meta device), then fills it from the checkpoint."""
+    tp: TensorParallel = SINGLE,
+) -> tuple[LlamaForCausalLM, int]:
+    """Builds the model without initialising it (meta device), checks every tensor of the checkpoint against
+    it (headers only), then fills it, reading only this rank's slice of each sharded tensor. Returns the model
+    and the bytes of tensor data read."""
     with torch.device("meta"):
-        model = build_model(hf_config, max_positions)
+        model = build_model(hf_config, max_positions, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     if model.tie_word_embeddings:  # to_empty may hand the tied pair separate storages
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.reset_buffers(device)
-    load_weights(model, iter_safetensors(checkpoint_files(path)), strict=strict)
-    return model.eval().requires_grad_(False)
+    files = checkpoint_files(path)
+    plan = WeightPlan(model, strict=strict)
+    for spec in safetensors_specs(files):
+        plan.check(*spec)
+    plan.finish()
+    nbytes = 0
+    for name, tensor in iter_safetensors(files, plan.targets.get):
+        target = plan.targets[name]
+        assert target is not None
+        plan.destination(target).copy_(tensor)
+        nbytes += tensor.nbytes
+    return model.eval().requires_grad_(False), nbytes

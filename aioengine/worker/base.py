@@ -25,11 +25,20 @@ from aioengine.messages import (
 class WorkerBase(ABC):
     """One worker per device (per tensor-parallel rank)."""
 
-    def __init__(self, config: Any, rank: int = 0, local_rank: int = 0, is_driver_worker: bool = True) -> None:
+    def __init__(
+        self,
+        config: Any,
+        rank: int = 0,
+        local_rank: int = 0,
+        is_driver_worker: bool = True,
+        distributed_init_method: str | None = None,
+    ) -> None:
         self.config = config
         self.rank = rank
         self.local_rank = local_rank
         self.is_driver_worker = is_driver_worker
+        self.distributed_init_method = distributed_init_method
+        """``tcp://127.0.0.1:PORT``: where the ranks of a tensor-parallel model meet (None: a single rank)."""
         # Cooperative: a worker extension mixed in after the worker class gets its own __init__ (no
         # arguments) called too, once config and rank are set.
         super().__init__()

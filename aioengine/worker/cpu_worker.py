@@ -31,8 +31,12 @@ class CPUWorker(Worker):
     """Runs the model on the host CPU."""
 
     def _bind_device(self) -> None:
-        if self.config.device.num_threads:
-            torch.set_num_threads(self.config.device.num_threads)
+        threads = self.config.device.num_threads
+        tp = self.config.parallel.tensor_parallel_size
+        if threads is None and tp > 1:  # the ranks share the host's cores: no rank oversubscribes them
+            threads = max(1, (os.cpu_count() or 1) // tp)
+        if threads:
+            torch.set_num_threads(threads)
 
     def determine_available_memory(self) -> int:
         # The profiling forward runs on CPU too: a step the configured budget cannot take fails here.

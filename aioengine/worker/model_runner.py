@@ -28,13 +28,14 @@ from aioengine.messages import (
 from aioengine.model import cpu_kernels
 from aioengine.model.attention import AttentionMetadata, PrefillChunk, split_decode_rows
 from aioengine.model.layers import cpu_prepack_supported, drop_packed_weights, set_weight_prepack, use_cpu_kernels
-from aioengine.model.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
+from aioengine.model.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of, tp_heads
 from aioengine.model.loader import (
     load_hf_config,
     load_model,
     resolve_dtype,
     resolve_max_model_len,
 )
+from aioengine.model.parallel import SINGLE, TensorParallel
 from aioengine.sampling.sampler import Sampler, SamplingMetadata, gather_logprobs
 from aioengine.worker.cache_engine import CacheEngine
 from aioengine.worker.graphs import PaddedDecodeRunner, default_capture_sizes
@@ -59,9 +60,15 @@ class StepInputs:
 class ModelRunner:
     """Holds the model and the KV cache of one worker and runs steps on them."""
 
-    def __init__(self, config: Any, device: torch.device) -> None:
+    def __init__(self, config: Any, device: torch.device, tp: TensorParallel = SINGLE) -> None:
         self.config = config
         self.device = device
+        self.tp = tp
+        """This rank's tensor-parallel group: the model is its shard, rank 0 samples for the group."""
+        self.kv_heads = 0
+        """KV heads this rank's cache holds (the model's, or its share under tensor parallelism)."""
+        self.bytes_loaded = 0
+        """Bytes of checkpoint tensor data the last ``load_model`` read (this rank's slices only)."""
         self.model: LlamaForCausalLM | None = None
         self.hf_config: Any = None
         self.dtype: torch.dtype = torch.float32
@@ -89,10 +96,17 @@ class ModelRunner:
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         start = time.perf_counter()
-        self.model = load_model(
-            path, self.hf_config, self.dtype, self.device, self.max_model_len, strict=self.config.load.strict
+        self.model, self.bytes_loaded = load_model(
+            path,
+            self.hf_config,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            strict=self.config.load.strict,
+            tp=self.tp,
         )
         cfg = self.hf_config
+        self.kv_heads = tp_heads(cfg, self.tp)[1]
         self.info = ModelInfo(
             model_path=str(path),
             architecture=cfg.architectures[0],
@@ -145,7 +159,7 @@ class ModelRunner:
     def get_cache_block_size_bytes(self) -> int:
         info = self.model_info()
         return CacheEngine.get_cache_block_size(
-            info.num_layers, self.block_size, info.num_kv_heads, info.head_size, self.cache_dtype()
+            info.num_layers, self.block_size, self.kv_heads, info.head_size, self.cache_dtype()
         )
 
     def release_kv_cache(self) -> int:
@@ -179,7 +193,7 @@ class ModelRunner:
         info = self.model_info()
         self.cache_engine = CacheEngine(
             info.num_layers,
-            info.num_kv_heads,
+            self.kv_heads,
             info.head_size,
             kv_cache_config.block_size,
             kv_cache_config.num_cache_blocks,
@@ -221,7 +235,7 @@ class ModelRunner:
         info = self.model_info()
         blocks = -(-num_tokens // self.block_size)
         scratch = CacheEngine(
-            info.num_layers, info.num_kv_heads, info.head_size, self.block_size, blocks, self.cache_dtype(), self.device
+            info.num_layers, self.kv_heads, info.head_size, self.block_size, blocks, self.cache_dtype(), self.device
         )
         req = ScheduledRequest("profile", [0] * num_tokens, 0, list(range(blocks)), sampling=None)
         inputs = self.prepare_inputs(SchedulerOutput(-1, [req]))
@@ -331,7 +345,8 @@ class ModelRunner:
             )
             sample_reqs = inputs.sample_reqs
             if inputs.prompt_reqs:
-                prompt_logprobs = _known_token_logprobs(logits[len(sample_reqs) :], inputs.prompt_reqs)
+                if self.tp.rank == 0:  # rank 0 answers for the group
+                    prompt_logprobs = _known_token_logprobs(logits[len(sample_reqs) :], inputs.prompt_reqs)
                 logits = logits[: len(sample_reqs)]
         if not sample_reqs:
             return ModelRunnerOutput(
@@ -353,6 +368,12 @@ class ModelRunner:
             raise RuntimeError("sample_tokens() called without a preceding execute_model() that left rows to sample")
         step_id, logits, reqs, start, prompt_logprobs = self._pending
         self._pending = None
+        if self.tp.rank != 0:
+            # Rank 0 samples for the group (ranks can never diverge, whatever the sampling); the others
+            # take its tokens, which the next step's placeholders stand for.
+            chosen = self.tp.broadcast(torch.empty(len(reqs), dtype=torch.int64, device=self.tp.device)).tolist()
+            self._last_sampled = {r.req_id: token for r, token in zip(reqs, chosen, strict=True)}
+            return ModelRunnerOutput(step_id, [r.req_id for r in reqs], chosen, time.perf_counter() - start)
         params = [r.sampling for r in reqs]
         assert all(p is not None for p in params)
         meta = SamplingMetadata.build(
@@ -366,6 +387,8 @@ class ModelRunner:
             processed=any(p is not None and p.logprobs is not None and p.logprobs_mode == "processed" for p in params),
         )
         sampled = self.sampler(logits, meta)
+        if self.tp.size > 1:
+            self.tp.broadcast(sampled.token_ids.to(self.tp.device, torch.int64))
         tokens = sampled.token_ids.tolist()
         self._last_sampled = {r.req_id: token for r, token in zip(reqs, tokens, strict=True)}
         return ModelRunnerOutput(

@@ -23,20 +23,31 @@ import torch
 
 from aioengine.errors import CheckpointError, WeightsLostError
 from aioengine.model.llama import LlamaForCausalLM
-from aioengine.model.loader import TensorSpec, WeightPlan, checkpoint_files, iter_safetensors, safetensors_specs
+from aioengine.model.loader import (
+    Selector,
+    TensorSpec,
+    WeightPlan,
+    checkpoint_files,
+    iter_safetensors,
+    narrowed,
+    safetensors_specs,
+)
 
 
 @dataclass(slots=True)
 class StagedWeights:
-    """A source read into host memory and checked against the model (``stage=True``)."""
+    """A source read into host memory and checked against the model (``stage=True``): this rank's parts of
+    the tensors the model takes, and the specs of the whole source (what the write checks again)."""
 
+    specs: list[TensorSpec]
     tensors: list[tuple[str, torch.Tensor]]
     nbytes: int
 
 
 WeightSource = str | os.PathLike[str] | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | StagedWeights
-TensorStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
-"""Yields the source's ``(name, tensor)`` pairs when called, lazily where it can (files, a broadcast)."""
+TensorStream = Callable[[Selector], Iterator[tuple[str, torch.Tensor]]]
+"""Yields ``(name, tensor)`` for the names the selector places, each tensor already this rank's part
+(``Shard``), lazily where it can (files, a broadcast)."""
 
 
 def _dtensor_type() -> type | None:
@@ -91,27 +102,22 @@ def check_tensor(name: str, tensor: object, *, allow_non_finite: bool = False) -
 def tensor_source(pairs: list[tuple[str, object]], *, allow_non_finite: bool = False) -> SourceView:
     """A source held in memory: every tensor checked now, before anything is written."""
     checked = [(name, check_tensor(name, t, allow_non_finite=allow_non_finite)) for name, t in pairs]
-    return SourceView([(n, tuple(t.shape), t.dtype) for n, t in checked], lambda: iter(checked), True)
-
-
-def shard_for_rank(name: str, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's part of a full checkpoint tensor: THE place tensor parallelism fills in."""
-    if world_size == 1:
-        return tensor
-    raise NotImplementedError("tensor-parallel weight sharding is not implemented yet")
+    return SourceView(
+        [(n, tuple(t.shape), t.dtype) for n, t in checked], lambda select: narrowed(checked, select), True
+    )
 
 
 def describe_source(source: WeightSource, *, allow_non_finite: bool = False) -> SourceView:
     """The source's tensor specs (from the headers only, for files) and a way to stream its tensors."""
     if isinstance(source, StagedWeights):
-        staged = source.tensors  # checked when staged
-        return SourceView([(n, tuple(t.shape), t.dtype) for n, t in staged], lambda: iter(staged), True)
+        staged = source.tensors  # checked, and cut to this rank's parts, when staged
+        return SourceView(source.specs, lambda select: iter(staged), True)
     if isinstance(source, str | os.PathLike):
         path = Path(source)
         if not path.exists():
             raise CheckpointError(f"weight source {str(path)!r} does not exist")
         files = checkpoint_files(path) if path.is_dir() else [path]
-        return SourceView(safetensors_specs(files), lambda: iter_safetensors(files), False)
+        return SourceView(safetensors_specs(files), lambda select: iter_safetensors(files, select), False)
     pairs: list[tuple[str, object]] = list(source.items()) if isinstance(source, Mapping) else list(source)
     return tensor_source(pairs, allow_non_finite=allow_non_finite)
 
@@ -140,14 +146,14 @@ def stage_weights(
 ) -> StagedWeights:
     """Reads and checks the whole source into host memory; safe to run beside serving (reads only)."""
     view = describe_source(source, allow_non_finite=allow_non_finite)
-    check_source(model, view.specs, strict=strict, partial=partial)
+    plan = check_source(model, view.specs, strict=strict, partial=partial)
     # copy=True: a safetensors tensor is a lazy view of its file (read in the pause, and changed by
     # a rewrite of the file); a caller's tensor may be trained on meanwhile. Staging keeps a snapshot.
-    tensors = [(name, tensor.to("cpu", copy=True)) for name, tensor in view.stream()]
+    tensors = [(name, tensor.to("cpu", copy=True)) for name, tensor in view.stream(plan.targets.get)]
     if not view.tensors_checked:
         for name, tensor in tensors:
             check_tensor(name, tensor, allow_non_finite=allow_non_finite)
-    return StagedWeights(tensors, sum(t.numel() * t.element_size() for _, t in tensors))
+    return StagedWeights(view.specs, tensors, sum(t.numel() * t.element_size() for _, t in tensors))
 
 
 def apply_weights(
@@ -157,29 +163,37 @@ def apply_weights(
     strict: bool = True,
     partial: bool = False,
     allow_non_finite: bool = False,
-    rank: int = 0,
-    world_size: int = 1,
 ) -> tuple[int, int]:
     """Checks every spec, then writes the streamed tensors in place. Returns (tensors, bytes) written.
 
     The one write path of every weight change (update_weights, staged or not, and worker extensions
     such as the weight-sync plugin): a spec that fails raises CheckpointError before the source is
-    even read. A streamed tensor that fails its check, or a stream that breaks, after the first write
-    raises WeightsLostError (the caller must treat the weights as discarded).
+    even read. Under tensor parallelism the ranks vote after checking, so a source any rank refuses is
+    written on none (every rank writes only its own parts). A streamed tensor that fails its check, or a
+    stream that breaks, after the first write raises WeightsLostError (the caller must treat the weights
+    as discarded).
     """
-    plan = check_source(model, source.specs, strict=strict, partial=partial)
+    try:
+        plan = check_source(model, source.specs, strict=strict, partial=partial)
+    except BaseException:
+        model.tp.all_agree(False)
+        raise
+    if not model.tp.all_agree(True):
+        raise CheckpointError(
+            "another tensor-parallel rank refused this weight source (its error says why); nothing was written "
+            "on any rank"
+        )
     written = nbytes = 0
     try:
-        for name, tensor in source.stream():
+        for name, tensor in source.stream(plan.targets.get):
             target = plan.targets.get(name)
             if target is None:
                 continue
             if not source.tensors_checked:
                 check_tensor(name, tensor, allow_non_finite=allow_non_finite)
-            shard = shard_for_rank(name, tensor, rank, world_size)
-            plan.destination(target).copy_(shard)
+            plan.destination(target).copy_(tensor)
             written += 1
-            nbytes += shard.numel() * shard.element_size()
+            nbytes += tensor.numel() * tensor.element_size()
     except Exception as exc:
         if written == 0:
             raise

@@ -10,6 +10,7 @@ import gc
 import logging
 import time
 from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from aioengine.messages import (
     check_choice,
     check_tags,
 )
+from aioengine.model.parallel import SINGLE, TensorParallel, parse_init_method
 from aioengine.worker.base import WorkerBase
 from aioengine.worker.model_runner import ModelRunner
 from aioengine.worker.sleep import SleepBackend, create_sleep_backend
@@ -66,8 +68,16 @@ def resolve_model_path(path: str | None) -> str:
 class Worker(WorkerBase):
     """Device-independent part of a worker; subclasses provide ``_bind_device`` and memory sizing."""
 
-    def __init__(self, config: Any, rank: int = 0, local_rank: int = 0, is_driver_worker: bool = True) -> None:
+    def __init__(
+        self,
+        config: Any,
+        rank: int = 0,
+        local_rank: int = 0,
+        is_driver_worker: bool = True,
+        distributed_init_method: str | None = None,
+    ) -> None:
         self.device: torch.device | None = None
+        self.tp: TensorParallel = SINGLE
         self.model_runner: ModelRunner | None = None
         self.profiler: torch.profiler.profile | None = None
         self.sleep_backend: SleepBackend | None = None
@@ -75,19 +85,37 @@ class Worker(WorkerBase):
         """+1 per weight write on any path; every step's output carries it (this worker owns the count)."""
         self._staged: StagedWeights | None = None
         self._shut_down = False
-        super().__init__(config, rank, local_rank, is_driver_worker)
+        super().__init__(config, rank, local_rank, is_driver_worker, distributed_init_method)
 
     # ---- lifecycle (seeds order) ---------------------------------------------------------------------
     def init_device(self) -> None:
         self.device = resolve_device(self.config.device.device, self.local_rank)
         self._bind_device()
         torch.manual_seed(self.config.model.seed)
-        self.model_runner = ModelRunner(self.config, self.device)
+        self.tp = self._join_tensor_parallel(self.device)
+        self.model_runner = ModelRunner(self.config, self.device, self.tp)
         self.sleep_backend = create_sleep_backend(self.config.sleep.backend, self.model_runner)
 
     def _bind_device(self) -> None:
         """Device-specific set-up after ``self.device`` is known."""
         raise NotImplementedError
+
+    def _join_tensor_parallel(self, device: torch.device) -> TensorParallel:
+        """This rank's tensor-parallel group (blocks until every rank joined); the single rank without one."""
+        size = self.config.parallel.tensor_parallel_size
+        if size == 1:
+            return SINGLE
+        if self.distributed_init_method is None:
+            raise ConfigurationError(
+                f"tensor_parallel_size={size} needs a distributed_init_method (tcp://HOST:PORT) from the executor"
+            )
+        timeout = timedelta(seconds=self.config.parallel.step_timeout_s)
+        return TensorParallel.connect(self.rank, size, self.distributed_init_method, device, timeout, self._tp_host())
+
+    def _tp_host(self) -> str:
+        """This rank's address for the group's traffic: the meeting host itself on one machine (loopback)."""
+        host, _ = parse_init_method(self.distributed_init_method or "")
+        return host
 
     def _runner(self) -> ModelRunner:
         if self.model_runner is None:
@@ -202,8 +230,6 @@ class Worker(WorkerBase):
                 strict=self.config.load.strict,
                 partial=partial,
                 allow_non_finite=allow_non_finite,
-                rank=self.rank,
-                world_size=self.config.parallel.tensor_parallel_size,
             )
         except WeightsLostError:
             self.weights_version += 1
@@ -310,6 +336,8 @@ class Worker(WorkerBase):
             self.profiler = None
         if self.model_runner is not None:
             self.model_runner.shutdown()
+        self.tp.close()
+        self.tp = SINGLE
         gc.collect()
         self._release_device_memory()
 

@@ -79,13 +79,19 @@ class WorkerWrapper:
         self.rank = rank
         self.worker: WorkerBase | None = None
 
-    def init_worker(self, config: Any, local_rank: int = 0) -> None:
+    def init_worker(self, config: Any, local_rank: int = 0, distributed_init_method: str | None = None) -> None:
         worker_cls = resolve_obj_by_qualname(_auto_worker_cls(config, local_rank))
         extension = config.parallel.worker_extension_cls
         extension_cls = resolve_obj_by_qualname(extension) if extension is not None else None
         if extension_cls is not None:
             worker_cls = with_extension(worker_cls, extension_cls)
-        worker = worker_cls(config, rank=self.rank, local_rank=local_rank, is_driver_worker=self.rank == 0)
+        worker = worker_cls(
+            config,
+            rank=self.rank,
+            local_rank=local_rank,
+            is_driver_worker=self.rank == 0,
+            distributed_init_method=distributed_init_method,
+        )
         if extension_cls is not None:
             check_instance_clashes(worker, extension_cls)
         self.worker = worker
