@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import socket
 import time
 from collections.abc import Iterable
 from datetime import timedelta
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from aioengine.errors import AIOEngineError, ConfigurationError, EngineStateError, WeightsLostError
+from aioengine.loopback import LOOPBACK
 from aioengine.messages import (
     KVCacheConfig,
     ModelInfo,
@@ -113,9 +115,14 @@ class Worker(WorkerBase):
         return TensorParallel.connect(self.rank, size, self.distributed_init_method, device, timeout, self._tp_host())
 
     def _tp_host(self) -> str:
-        """This rank's address for the group's traffic: the meeting host itself on one machine (loopback)."""
-        host, _ = parse_init_method(self.distributed_init_method or "")
-        return host
+        """This rank's address for the group's traffic: loopback when the ranks meet on 127.0.0.1 (one host),
+        else the address of the interface that reaches the meeting host (ranks on several nodes)."""
+        host, port = parse_init_method(self.distributed_init_method or "")
+        if host == LOOPBACK:
+            return host
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))  # UDP: picks the route, sends nothing
+            return str(probe.getsockname()[0])
 
     def _runner(self) -> ModelRunner:
         if self.model_runner is None:
