@@ -212,7 +212,8 @@ class ModelRunner:
                 self.block_size,
                 -(-self.max_model_len // self.block_size),
                 self.device,
-                use_graphs=self.device.type == "cuda",
+                # Not under tensor parallelism yet: the collectives' capture (NCCL in a graph) is not wired up.
+                use_graphs=self.device.type == "cuda" and self.tp.size == 1,
                 decode_kernel=self.decode_kernel,
             )
 
