@@ -3,6 +3,8 @@ lanes (steps and RPCs in order on the main thread, ``run_aside`` on a second one
 
 Below the executor, so no asyncio here: plain pipes and threads. The wire format is the executor's (see
 ``aioengine.executor.multiproc``): ``(call_id, method, args, kwargs)`` in, ``(call_id, ok, value)`` out.
+A ``StepMessage`` argument is a model step against the one before: the step lane's decoder turns it back
+into its ``SchedulerOutput`` before the call, every one in order (also one whose step then fails).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from multiprocessing.connection import Connection
 
 import cloudpickle  # type: ignore[import-untyped]
 
+from aioengine.worker.step_wire import StepDecoder, StepMessage
 from aioengine.worker.wrapper import WorkerWrapper
 
 
@@ -37,10 +40,10 @@ def worker_main(rank: int, step_conn: Connection, aside_conn: Connection) -> Non
         target=_serve, args=(aside_conn, wrapper, True), name=f"aioengine-aside-{rank}", daemon=True
     )
     aside.start()
-    _serve(step_conn, wrapper, False)
+    _serve(step_conn, wrapper, False, StepDecoder())  # steps come on the step lane only
 
 
-def _serve(conn: Connection, wrapper: WorkerWrapper, is_aside: bool) -> None:
+def _serve(conn: Connection, wrapper: WorkerWrapper, is_aside: bool, steps: StepDecoder | None = None) -> None:
     """Runs the calls of one lane in order until asked to stop or the engine process is gone."""
     while True:
         try:
@@ -51,7 +54,7 @@ def _serve(conn: Connection, wrapper: WorkerWrapper, is_aside: bool) -> None:
                 # now, even while the step lane is inside a long call.
                 os._exit(1)
             return
-        reply, stop = _run(data, wrapper)
+        reply, stop = _run(data, wrapper, steps)
         try:
             conn.send_bytes(reply)
         except OSError:
@@ -60,12 +63,14 @@ def _serve(conn: Connection, wrapper: WorkerWrapper, is_aside: bool) -> None:
             return
 
 
-def _run(data: bytes, wrapper: WorkerWrapper) -> tuple[bytes, bool]:
+def _run(data: bytes, wrapper: WorkerWrapper, steps: StepDecoder | None = None) -> tuple[bytes, bool]:
     """One call: its reply on the wire, and whether it asked the process to stop."""
     call_id = None  # a message that cannot be read is answered as the oldest call of its lane
     stop = False
     try:
         call_id, method, args, kwargs = pickle.loads(data)
+        if steps is not None and args and isinstance(args[0], StepMessage):
+            args = (steps.decode(args[0]), *args[1:])
         if method is None:
             stop = True
             if wrapper.worker is not None:
