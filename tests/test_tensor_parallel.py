@@ -85,9 +85,18 @@ def expected(llama_ckpt: Path, ckpt_b: Path) -> dict[str, list[list[int]]]:
     return {"A": hf_greedy(llama_ckpt, PROMPTS, NEW_TOKENS), "B": hf_greedy(ckpt_b, PROMPTS, NEW_TOKENS)}
 
 
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("traces")
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(llama_ckpt: Path) -> AsyncIterator[AsyncEngine]:
-    config = tp_config(llama_ckpt, parallel={"worker_extension_cls": "plugins.weight_sync.WeightSyncExtension"})
+async def engine(llama_ckpt: Path, traces: Path) -> AsyncIterator[AsyncEngine]:
+    config = tp_config(
+        llama_ckpt,
+        parallel={"worker_extension_cls": "plugins.weight_sync.WeightSyncExtension"},
+        profiler={"dir": str(traces)},
+    )
     async with AsyncEngine(config) as engine:
         yield engine
 
@@ -118,6 +127,32 @@ async def test_each_rank_holds_its_shard_of_every_sharded_weight(engine: AsyncEn
     assert got["model.layers.0.mlp.gate_up_proj.weight"] == (2 * 128 // TP, hidden)
     assert got["model.layers.0.mlp.down_proj.weight"] == (hidden, 128 // TP)
     assert got["model.norm.weight"] == (hidden,)  # replicated
+
+
+@in_module_loop
+async def test_collective_rpc_reaches_every_rank_and_unique_reply_rank_picks_one(engine: AsyncEngine) -> None:
+    assert await engine.collective_rpc(lambda worker: worker.rank) == list(range(TP))
+    assert await engine.collective_rpc(lambda worker: worker.rank, unique_reply_rank=1) == 1
+
+
+@in_module_loop
+async def test_every_rank_runs_the_cpu_kernels(engine: AsyncEngine, kernel: Any) -> None:
+    def kernels_on(worker: Any) -> tuple[bool, bool]:
+        runner = worker.model_runner
+        return runner.decode_kernel is not None, runner.model.model.norm.kernels is not None
+
+    assert await engine.collective_rpc(kernels_on) == [(True, True)] * TP
+
+
+@in_module_loop
+async def test_profiling_writes_a_trace_per_rank(
+    engine: AsyncEngine, traces: Path, expected: dict[str, list[list[int]]]
+) -> None:
+    await engine.start_profile()
+    assert await greedy(engine, PROMPTS[:1]) == expected["A"][:1]
+    assert await engine.stop_profile() == [str(traces)] * TP
+    names = sorted(p.name for p in traces.iterdir())
+    assert [sum(f"rank{r}" in n for n in names) for r in range(TP)] == [1] * TP, names
 
 
 def expected_bytes(path: Path, rank_share: dict[str, int]) -> int:

@@ -4,16 +4,26 @@ The engine process drives: it sends every call (steps and RPCs) to every rank's 
 they were submitted, and one reader thread per rank settles the calls' futures as replies come back.
 The forward runs under the worker process's own interpreter lock, so the event loop never waits for
 it. A driver in the engine process keeps one path for every rank and one place that knows what is in
-flight, which is what a dead rank needs to fail everything at once. Only ``tensor_parallel_size = 1``
-for now: the tensor-parallel layers are not built yet.
+flight, which is what a dead rank needs to fail everything at once. With ``tensor_parallel_size > 1``
+the ranks also meet among themselves (``aioengine.model.parallel``: a private gloo / NCCL group whose
+store rank 0 hosts on 127.0.0.1, at the port the executor hands every rank); the step's output is rank
+0's, which samples for the group. A rank that hangs (in a collective its peers left, or anywhere) never
+answers its step: a watchdog thread fails the executor once a step outlives
+``parallel.step_timeout_s``, and kills the ranks that did not answer.
 
 On the wire, one message per call: ``(call_id, method, args, kwargs)``, ``method`` being a worker
 method name or a cloudpickled callable taking the worker first (``None`` asks the process to stop);
 one reply per call: ``(call_id, ok, result or exception)``. Data is plain pickle (cloudpickle only
-where plain pickle cannot, e.g. a lambda inside the arguments). Each rank has two lanes, a pipe each:
-the step lane serves steps and RPCs one at a time, in order; the aside lane serves ``run_aside`` on a
-second thread of the worker process. Messages go out through one writer thread per lane, so a large
-argument never blocks the event loop on a full pipe.
+where plain pickle cannot, e.g. a lambda inside the arguments). A model step keeps that shape: the
+call of ``execute_and_sample``, whose one argument is a ``StepMessage`` (``aioengine.worker.step_wire``)
+rather than the ``SchedulerOutput``: the step less what the worker process holds from the step before
+(block ids appended, not whole block tables), so a step weighs the same at any context length. That
+argument's type is the marker: the worker process decodes it into the ``SchedulerOutput`` before the
+call. Every rank gets every step, so all decoders hold the same; the encoder moves on only once a
+message is in the pipes. Each rank has two lanes, a pipe each: the step lane serves steps and RPCs
+one at a time, in order; the aside lane serves ``run_aside`` on a second thread of the worker
+process. Messages go out through one writer thread per lane, so a large argument never blocks the
+event loop on a full pipe.
 
 A worker process that dies is seen at once (its pipes close, its sentinel becomes ready): every call
 in flight and every later one fails with ``EngineDeadError`` naming the rank and how it ended. Worker
@@ -55,6 +65,7 @@ from aioengine.executor.thread import _bridge
 from aioengine.loopback import LOOPBACK, free_port
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.worker.process import dumps, worker_main
+from aioengine.worker.step_wire import StepEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +96,17 @@ class _Rank:
     step: _Lane
     aside: _Lane
     reader: threading.Thread | None = None
+    reaping: threading.Lock = field(default_factory=threading.Lock)
+    """Held around every join and liveness check: multiprocessing's waitpid bookkeeping is not thread-safe (two
+    threads joining at once can leave one believing a reaped process still runs)."""
+
+    def join(self, timeout: float) -> None:
+        with self.reaping:
+            self.process.join(timeout)
+
+    def is_alive(self) -> bool:
+        with self.reaping:
+            return self.process.is_alive()
 
     @property
     def lanes(self) -> tuple[_Lane, _Lane]:
@@ -135,6 +157,8 @@ class MultiprocExecutor(Executor):
         """Every worker was built: a process that ends before that most likely could not start at all."""
         self._steps: dict[int, float] = {}
         """Steps sent and not answered by every rank yet: call id -> when sent (the watchdog's view)."""
+        self._step_wire = StepEncoder()
+        """Turns each step into what changed since the one before (what every rank's decoder holds)."""
         self._wake_watchdog = threading.Event()
         context = multiprocessing.get_context("spawn")
         try:
@@ -289,9 +313,13 @@ class MultiprocExecutor(Executor):
 
     def submit_step(self, scheduler_output: SchedulerOutput) -> asyncio.Future[ModelRunnerOutput]:
         # Sent right here, behind every call submitted before it; rank 0's output is the step's.
-        _, futures = self._call("step", execute_and_sample, (scheduler_output,), {}, watched=True)
-        for future in futures[1:]:
-            future.add_done_callback(_retrieve)  # a failing rank's error reaches the caller through rank 0's
+        encoded = self._step_wire.encode(scheduler_output)
+        _, futures = self._call("step", execute_and_sample, (encoded.message,), {}, watched=True)
+        self._step_wire.commit(encoded)  # only now: a step that was refused leaves every decoder where it was
+        for future in futures:
+            # A failing rank's error reaches the caller through rank 0's, and a step queued behind one that
+            # failed is never awaited: neither is an unretrieved error.
+            future.add_done_callback(_retrieve)
         output: asyncio.Future[ModelRunnerOutput] = futures[0]
         return output
 
@@ -340,7 +368,7 @@ class MultiprocExecutor(Executor):
         except Exception:
             logger.exception("the reader of worker rank %d failed", worker.rank)
         finally:
-            worker.process.join(_KILL_SECONDS)
+            worker.join(_KILL_SECONDS)
             self._lost(worker)
 
     def _receive(self, worker: _Rank) -> None:
@@ -416,17 +444,19 @@ class MultiprocExecutor(Executor):
             self._closed = True
         self._wake_watchdog.set()
         deadline = time.monotonic() + STOP_SECONDS
-        alive = [r for r in self._ranks if r.process.is_alive()]
+        alive = [r for r in self._ranks if r.is_alive()]
         stops = self._send("step", None, (), {}, "shutdown", alive, force=True) if alive else []
         for future in stops:  # behind the calls already sent: a call that never returns holds it
             try:
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
             except concurrent.futures.TimeoutError:
                 logger.warning("a worker process did not stop within %.0fs; terminating it", STOP_SECONDS)
+            except EngineDeadError:
+                pass  # the executor died (a rank ended or hung, as logged then): the processes are reaped below
             except Exception:  # shutdown must complete even if a worker is broken
                 logger.exception("a worker process failed to shut down cleanly")
         for worker in self._ranks:
-            _reap(worker.process, deadline)
+            _reap(worker, deadline)
         for worker in self._ranks:
             for lane in worker.lanes:
                 lane.outbox.put(None)
@@ -446,14 +476,15 @@ def _dumps_callable(method: Callable[..., Any], name: str) -> bytes:
     return data
 
 
-def _reap(process: BaseProcess, deadline: float) -> None:
-    """Waits for ``process`` until ``deadline``, then terminates it, then kills it: it never outlives us."""
-    process.join(max(0.0, deadline - time.monotonic()))
+def _reap(worker: _Rank, deadline: float) -> None:
+    """Waits for the rank's process until ``deadline``, then terminates it, then kills it: it never outlives us."""
+    process = worker.process
+    worker.join(max(0.0, deadline - time.monotonic()))
     for end in (process.terminate, process.kill):
-        if not process.is_alive():
+        if not worker.is_alive():
             return
         logger.warning("worker process %s (pid %s) did not stop; %s", process.name, process.pid, end.__name__)
         end()
-        process.join(_KILL_SECONDS)
-    if process.is_alive():
+        worker.join(_KILL_SECONDS)
+    if worker.is_alive():
         logger.error("worker process %s (pid %s) survived SIGKILL", process.name, process.pid)
