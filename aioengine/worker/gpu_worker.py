@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
@@ -13,16 +12,8 @@ from aioengine.worker.worker import Worker
 class CUDAWorker(Worker):
     """Runs the model on one CUDA device (``cuda:local_rank`` unless the config names one)."""
 
-    def __init__(
-        self,
-        config: Any,
-        rank: int = 0,
-        local_rank: int = 0,
-        is_driver_worker: bool = True,
-        distributed_init_method: str | None = None,
-    ) -> None:
-        super().__init__(config, rank, local_rank, is_driver_worker, distributed_init_method)
-        self.init_device_memory = 0
+    init_device_memory = 0
+    """Free device memory when the worker bound its device (before the model was loaded)."""
 
     def _bind_device(self) -> None:
         assert self.device is not None
