@@ -332,12 +332,23 @@ async def stream_errors(engine: AsyncEngine, after_first: Any) -> tuple[list[Bas
     return list(results), time.monotonic() - at
 
 
-async def test_killing_one_rank_mid_generation_ends_every_stream_and_leaves_no_process(llama_ckpt: Path) -> None:
-    engine = AsyncEngine(tp_config(llama_ckpt, cache={"num_blocks": 64}))
+async def test_the_kv_cache_is_the_smallest_ranks_and_killing_one_rank_ends_every_stream_leaving_no_process(
+    llama_ckpt: Path,
+) -> None:
+    # Rank 1 offers half the KV memory of rank 0: the cache has the blocks the smaller rank can hold.
+    memory = 4 << 20
+    config = tp_config(
+        llama_ckpt,
+        cache={"num_blocks": None, "kv_cache_memory_bytes": memory},
+        parallel={"worker_cls": "tests.worker_extensions.HalfMemoryOnRank1Worker"},
+    )
+    engine = AsyncEngine(config)
     await engine.start()
     executor = engine.executor
     assert isinstance(executor, MultiprocExecutor)
     try:
+        block_bytes = await engine.collective_rpc("get_cache_block_size_bytes", unique_reply_rank=0)
+        assert engine.stats().kv_blocks_total == memory // 2 // block_bytes - 1  # block 0 is the null block
         pids = await engine.collective_rpc(lambda worker: os.getpid())
 
         async def kill_rank_1() -> None:

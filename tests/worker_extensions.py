@@ -53,3 +53,11 @@ class ForcedTokenWorker(CPUWorker):
 
 class ComposedClashingExtension(EchoExtension, ClashingExtension):
     """Defines nothing itself: the clash comes from a base mixin."""
+
+
+class HalfMemoryOnRank1Worker(CPUWorker):
+    """A CPU worker whose rank 1 offers half the KV memory rank 0 does (the engine must take the minimum)."""
+
+    def determine_available_memory(self) -> int:
+        available = super().determine_available_memory()
+        return available // 2 if self.rank == 1 else available
