@@ -197,6 +197,14 @@ class ParallelConfig(_Section):
             "hangs; the engine then reports dead and fails every request (as when a rank dies)."
         ),
     )
+    ray_address: str | None = Field(
+        None,
+        description=(
+            "ray: the cluster to connect to ('auto' for the one running on this machine, 'HOST:PORT', or "
+            "'ray://HOST:PORT' for Ray Client). None uses Ray when this process already initialized it, else "
+            "starts a private local Ray instance for the engine (stopped with it)."
+        ),
+    )
     worker_cls: str = Field(
         "auto",
         description="Worker class as 'module.Qualname'; 'auto' picks the CPU or CUDA worker for the device.",

@@ -499,10 +499,13 @@ def _make_executor(config: EngineConfig) -> Executor:
         from aioengine.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config)
+    if backend == "ray":
+        from aioengine.executor.ray import RayExecutor
+
+        return RayExecutor(config)
     if backend != "thread":
         raise ConfigurationError(
-            f"parallel.distributed_executor_backend={backend!r} is not built yet; use 'thread' or 'mp' "
-            "(with tensor_parallel_size=1)"
+            f"parallel.distributed_executor_backend={backend!r} is not built yet; use 'thread', 'mp' or 'ray'"
         )
     from aioengine.executor.thread import ThreadExecutor
 
