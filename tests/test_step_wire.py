@@ -26,7 +26,7 @@ from aioengine.messages import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, Schedule
 from aioengine.sampling.params import SamplingParams
 from aioengine.scheduler.request import Request
 from aioengine.scheduler.scheduler import Scheduler
-from aioengine.worker.process import _run, dumps
+from aioengine.worker.process import dumps, run_call
 from aioengine.worker.step_wire import KEPT, StepDecoder, StepEncoder, StepMessage
 
 BLOCK_SIZE = 16
@@ -275,7 +275,7 @@ def test_the_worker_process_decodes_a_step_whose_forward_fails_so_the_next_one_d
         encoded = encoder.encode(step)
         data = dumps((call_id, method, (encoded.message,), {}))
         encoder.commit(encoded)
-        reply, _ = _run(data, wrapper, decoder)  # type: ignore[arg-type]
+        reply, _ = run_call(data, wrapper, decoder)  # type: ignore[arg-type]
         replies.append(pickle.loads(reply))
     assert [ok for _, ok, _ in replies] == [False, True]
     assert worker.steps == steps

@@ -9,20 +9,48 @@ the executor's business alone: EngineCore only submits steps and awaits their ou
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from aioengine.worker.base import WorkerBase
 
+T = TypeVar("T")
+
 
 def execute_and_sample(worker: WorkerBase, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
     """``execute_model`` then, when it leaves rows to sample, ``sample_tokens`` (module level: picklable)."""
     output = worker.execute_model(scheduler_output)
     return output if output is not None else worker.sample_tokens()
+
+
+def bridge(future: concurrent.futures.Future[T]) -> asyncio.Future[T]:
+    """An awaitable of a worker call. Unlike ``asyncio.wrap_future``, cancelling it does not withdraw the
+    call: what was handed to a worker runs, in order (a step queued behind it may depend on it)."""
+    loop = asyncio.get_running_loop()
+    result: asyncio.Future[T] = loop.create_future()
+
+    def settle(done: concurrent.futures.Future[T]) -> None:
+        if result.cancelled():
+            return
+        if done.cancelled():
+            result.cancel()
+        elif (exc := done.exception()) is not None:
+            result.set_exception(exc)
+        else:
+            result.set_result(done.result())
+
+    def on_done(done: concurrent.futures.Future[T]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(settle, done)
+
+    future.add_done_callback(on_done)
+    return result
 
 
 class Executor(ABC):

@@ -2,7 +2,7 @@
 
 Every call into a worker (execute_model and every RPC) is queued on that thread, so calls are
 ordered and never run concurrently with a forward. The thread hands back concurrent futures,
-which ``_bridge`` turns into awaitables; the event loop never blocks on the model. One thread is
+which ``bridge`` turns into awaitables; the event loop never blocks on the model. One thread is
 one lane: an RPC that outlives its timeout still holds it, and steps wait behind it
 (``overdue_calls`` says so, and ``check_health`` fails meanwhile).
 
@@ -14,44 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from aioengine.errors import ConfigurationError, EngineDeadError
-from aioengine.executor.base import Executor, execute_and_sample
+from aioengine.executor.base import Executor, bridge, execute_and_sample
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.worker.wrapper import WorkerWrapper
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-def _bridge(future: concurrent.futures.Future[T]) -> asyncio.Future[T]:
-    """An awaitable of a worker call. Unlike ``asyncio.wrap_future``, cancelling it does not withdraw the
-    call: what was handed to a worker runs, in order (a step queued behind it may depend on it)."""
-    loop = asyncio.get_running_loop()
-    result: asyncio.Future[T] = loop.create_future()
-
-    def settle(done: concurrent.futures.Future[T]) -> None:
-        if result.cancelled():
-            return
-        if done.cancelled():
-            result.cancel()
-        elif (exc := done.exception()) is not None:
-            result.set_exception(exc)
-        else:
-            result.set_result(done.result())
-
-    def on_done(done: concurrent.futures.Future[T]) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
-            loop.call_soon_threadsafe(settle, done)
-
-    future.add_done_callback(on_done)
-    return result
 
 
 _yield_gil: Callable[[], None] = getattr(os, "sched_yield", lambda: None)  # releases GIL and CPU (not on Windows)
@@ -96,8 +70,8 @@ class ThreadExecutor(Executor):
         self._check_open()
         wrapper = self.wrappers[rank]
         if isinstance(method, str):
-            return _bridge(self._threads[rank].submit(lambda: getattr(wrapper, method)(*args, **kwargs)))
-        return _bridge(self._threads[rank].submit(lambda: method(wrapper.worker, *args, **kwargs)))
+            return bridge(self._threads[rank].submit(lambda: getattr(wrapper, method)(*args, **kwargs)))
+        return bridge(self._threads[rank].submit(lambda: method(wrapper.worker, *args, **kwargs)))
 
     async def collective_rpc(
         self,
@@ -157,7 +131,7 @@ class ThreadExecutor(Executor):
         def call(wrapper: WorkerWrapper) -> Any:
             return getattr(wrapper, method)(*args)
 
-        calls = [_bridge(self._aside.submit(call, w)) for w in self.wrappers]
+        calls = [bridge(self._aside.submit(call, w)) for w in self.wrappers]
         return list(await asyncio.gather(*calls))
 
     def shutdown(self) -> None:

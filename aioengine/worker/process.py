@@ -54,7 +54,7 @@ def _serve(conn: Connection, wrapper: WorkerWrapper, is_aside: bool, steps: Step
                 # now, even while the step lane is inside a long call.
                 os._exit(1)
             return
-        reply, stop = _run(data, wrapper, steps)
+        reply, stop = run_call(data, wrapper, steps)
         try:
             conn.send_bytes(reply)
         except OSError:
@@ -63,8 +63,9 @@ def _serve(conn: Connection, wrapper: WorkerWrapper, is_aside: bool, steps: Step
             return
 
 
-def _run(data: bytes, wrapper: WorkerWrapper, steps: StepDecoder | None = None) -> tuple[bytes, bool]:
-    """One call: its reply on the wire, and whether it asked the process to stop."""
+def run_call(data: bytes, wrapper: WorkerWrapper, steps: StepDecoder | None = None) -> tuple[bytes, bool]:
+    """One call on the wire: its reply, and whether it asked the process to stop. ``steps`` (the step lane's
+    decoder) turns a ``StepMessage`` argument back into its ``SchedulerOutput``."""
     call_id = None  # a message that cannot be read is answered as the oldest call of its lane
     stop = False
     try:
