@@ -1,6 +1,8 @@
 """GPU check: CUDA-graph capture time, decode step time eager vs graph, greedy parity graph vs eager,
-per sleep level: device memory freed, sleep/wake seconds, outputs and graph replay after wake, and one
-preemption of a 1,500-token context both ways: recompute (its prefill) vs swap to pinned host memory.
+per sleep level: device memory freed, sleep/wake seconds, outputs and graph replay after wake, one
+preemption of a 1,500-token context both ways: recompute (its prefill) vs swap to pinned host memory, and
+tensor parallelism over the mp executor: TP=1 (greedy tokens equal to the thread backend's, tokens/s) and,
+on a machine with two or more GPUs, TP=2 (greedy parity with TP=1, tokens/s, communication share).
 
 Run through scripts/gpu_check.sh on a CUDA machine. Prints a markdown table; exits non-zero if
 parity fails. Uses a locally built random-init Llama (float32, so parity is exact).
@@ -14,7 +16,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,18 +28,22 @@ from aioengine.testing import build_checkpoint
 from aioengine.worker.gpu_worker import CUDAWorker
 from aioengine.worker.graphs import PaddedDecodeRunner
 from benchmarks.preemption import preemption_costs
+from benchmarks.tp import RankCounters, rank_counters, reset_collectives
 
 BATCHES = (1, 8, 32)
 SPEC = dict(hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16, num_kv_heads=4)
 
 
-def config(path: Path, eager: bool, preemption_mode: str = "recompute") -> EngineConfig:
+def config(
+    path: Path, eager: bool, preemption_mode: str = "recompute", parallel: dict[str, Any] | None = None
+) -> EngineConfig:
     return EngineConfig(
         model={"path": str(path), "dtype": "float32", "max_model_len": 1024},
         device={"device": "cuda"},
         cache={"num_blocks": 2048},
         scheduler={"max_num_seqs": 32, "preemption_mode": preemption_mode},
         compile={"enforce_eager": eager, "cuda_graph_sizes": list(BATCHES)},
+        parallel=parallel or {},
     )
 
 
@@ -94,9 +102,69 @@ async def greedy_outputs(engine: AsyncEngine, prompts: list[list[int]], max_toke
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-async def greedy(path: Path, eager: bool, prompts: list[list[int]]) -> list[list[int]]:
-    async with AsyncEngine(config(path, eager)) as engine:
-        return await greedy_outputs(engine, prompts, 32)
+@dataclass(frozen=True, slots=True)
+class TimedGreedy:
+    """One engine's greedy tokens for every prompt, all submitted at once, and what the run cost."""
+
+    tokens: list[list[int]]
+    tokens_per_s: float
+    comm_share: float
+    """Seconds in collectives per rank over the run's wall seconds (NCCL: the host's wait only)."""
+    calls_per_step: float
+
+
+async def timed_greedy(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int = 32) -> TimedGreedy:
+    """A fresh engine of ``cfg``: one untimed warm-up request, the collective counters reset, then the prompts."""
+    async with AsyncEngine(cfg) as engine:
+        await greedy_outputs(engine, [[1, 2, 3]], 2)  # warm-up, untimed; under one block, so nothing is cached
+        await engine.collective_rpc(reset_collectives)
+        steps = engine.stats().num_steps
+        start = time.perf_counter()
+        tokens = await greedy_outputs(engine, prompts, max_tokens)
+        wall = time.perf_counter() - start
+        steps = engine.stats().num_steps - steps
+        ranks: list[RankCounters] = await engine.collective_rpc(rank_counters)
+    seconds = sum(r.collective_seconds for r in ranks) / len(ranks)
+    calls = sum(r.calls for r in ranks) / len(ranks)
+    return TimedGreedy(tokens, len(prompts) * max_tokens / wall, seconds / wall, calls / max(1, steps))
+
+
+async def tp_check(
+    path: Path, prompts: list[list[int]], eager: TimedGreedy, graph: TimedGreedy
+) -> tuple[list[tuple[str, str]], bool]:
+    """TP=1 through the mp executor against the thread executor's ``graph`` run; on two GPUs, TP=2 against it.
+
+    TP=2 decodes eagerly (graphs are not captured under tensor parallelism yet), so its tokens/s compare
+    with the thread executor's ``eager`` run; its tokens with TP=1's (graph and eager tokens are equal)."""
+    one = await timed_greedy(config(path, eager=False, parallel={"distributed_executor_backend": "mp"}), prompts)
+    same = sum(a == b for a, b in zip(one.tokens, graph.tokens, strict=True))
+    what = f"{len(prompts)} prompts x 32 tokens"
+    rows = [
+        (f"TP=1 mp vs thread executor: greedy parity ({what})", f"{same}/{len(prompts)} identical"),
+        (
+            f"TP=1 tokens/s ({what}, at once): thread eager / thread graph / mp graph",
+            f"{eager.tokens_per_s:.0f} / {graph.tokens_per_s:.0f} / {one.tokens_per_s:.0f}",
+        ),
+    ]
+    ok = same == len(prompts)
+    if torch.cuda.device_count() < 2:
+        rows.append(("TP=2 (mp, NCCL)", f"skipped: {torch.cuda.device_count()} CUDA device, needs 2"))
+        return rows, ok
+    parallel = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    two = await timed_greedy(config(path, eager=False, parallel=parallel), prompts)
+    same = sum(a == b for a, b in zip(two.tokens, one.tokens, strict=True))
+    rows += [
+        (f"TP=2 vs TP=1 (mp, NCCL): greedy parity ({what})", f"{same}/{len(prompts)} identical"),
+        (
+            "TP=2 tokens/s, eager (vs TP=1 eager)",
+            f"{two.tokens_per_s:.0f} ({two.tokens_per_s / eager.tokens_per_s:.2f}x)",
+        ),
+        (
+            "TP=2 comm share (host wait in collectives / wall; NCCL runs async), collective calls per step",
+            f"{two.comm_share:.2f}, {two.calls_per_step:.1f}",
+        ),
+    ]
+    return rows, ok and same == len(prompts)
 
 
 async def sleep_check(path: Path, prompts: list[list[int]]) -> list[tuple[str, str]]:
@@ -162,11 +230,12 @@ def main() -> int:
         prompts = [
             torch.randint(3, 1000, (int(n),), generator=g).tolist() for n in torch.randint(1, 200, (24,), generator=g)
         ]
-        eager_tokens = asyncio.run(greedy(path, True, prompts))
-        graph_tokens = asyncio.run(greedy(path, False, prompts))
+        eager = asyncio.run(timed_greedy(config(path, eager=True), prompts))
+        graph = asyncio.run(timed_greedy(config(path, eager=False), prompts))
         sleep_rows = asyncio.run(sleep_check(path, prompts[:8]))
         sleep_rows += asyncio.run(swap_check(path))
-    same = sum(a == b for a, b in zip(eager_tokens, graph_tokens, strict=True))
+        tp_rows, tp_ok = asyncio.run(tp_check(path, prompts, eager, graph))
+    same = sum(a == b for a, b in zip(eager.tokens, graph.tokens, strict=True))
     print(f"\n{torch.cuda.get_device_name()} · torch {torch.__version__} · Llama h1024 x 8 layers, float32\n")
     print("| measure | value |\n|---|---|")
     print(f"| graph capture ({len(BATCHES)} sizes) | {capture:.2f} s |")
@@ -176,10 +245,10 @@ def main() -> int:
             f"| {eager_ms:.2f} ms / {graph_ms:.2f} ms ({eager_ms / graph_ms:.1f}x) |"
         )
     print(f"| greedy parity graph vs eager (24 prompts x 32 tokens) | {same}/{len(prompts)} identical |")
-    for name, value in sleep_rows:
+    for name, value in sleep_rows + tp_rows:
         print(f"| {name} | {value} |")
     sleep_ok = all(not name.endswith("graphs live") or value.startswith("True") for name, value in sleep_rows)
-    return 0 if same == len(prompts) and sleep_ok else 1
+    return 0 if same == len(prompts) and sleep_ok and tp_ok else 1
 
 
 if __name__ == "__main__":
