@@ -308,7 +308,26 @@ async def test_the_real_model_at_tp2_is_refused_at_start_naming_its_head_counts(
     engine = AsyncEngine(tp_config(real_model, tp=2))
     with pytest.raises(UnsupportedModelError, match="9 attention heads and 3 KV heads"):
         await engine.start()
+    assert engine.executor is None, "refused before any rank started"
     await engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [({"vocab_size": 1001}, "vocab_size=1001"), ({"intermediate_size": 129}, "intermediate_size=129")],
+)
+def test_a_split_that_does_not_divide_is_refused_naming_the_count(
+    tmp_path: Path, llama_ckpt: Path, change: dict[str, int], named: str
+) -> None:
+    import json
+
+    from aioengine.model.tp_layout import check_checkpoint_split
+
+    cfg = {**json.loads((llama_ckpt / "config.json").read_text()), **change}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    check_checkpoint_split(llama_ckpt, TP)  # the checkpoint itself splits
+    with pytest.raises(UnsupportedModelError, match=f"{named} cannot be split over tensor_parallel_size=2"):
+        check_checkpoint_split(tmp_path, TP)
 
 
 # ---- faults ---------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ import cloudpickle  # type: ignore[import-untyped]
 from aioengine.errors import EngineDeadError
 from aioengine.executor.base import Executor, bridge, execute_and_sample
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
+from aioengine.model.tp_layout import check_checkpoint_split
 from aioengine.worker.process import dumps
 from aioengine.worker.step_wire import StepEncoder
 
@@ -88,6 +89,8 @@ class RemoteExecutor(Executor, Generic[R]):
     def __init__(self, config: Any) -> None:
         self.config = config
         self.world_size = config.parallel.tensor_parallel_size
+        if self.world_size > 1 and config.model.path is not None:
+            check_checkpoint_split(config.model.path, self.world_size)  # before any rank starts: refused at once
         self.step_timeout = float(config.parallel.step_timeout_s)
         """A step that has not come back from every rank after this long means a hung rank: the executor dies."""
         self._lock = threading.Lock()

@@ -25,6 +25,7 @@ from aioengine.model.layers import (
     drop_packed_weights,
 )
 from aioengine.model.parallel import SINGLE, TensorParallel
+from aioengine.model.tp_layout import split_heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,21 +59,8 @@ def num_kv_heads_of(hf_config: Any) -> int:
 
 
 def tp_heads(cfg: Any, tp: TensorParallel) -> tuple[int, int, int]:
-    """This rank's query heads, KV heads, and the first KV head it holds. Query heads split evenly; KV heads
-    too when there are at least ``tp`` of them, else each is replicated on ``tp / num_kv_heads`` ranks."""
-    heads, kv_heads = cfg.num_attention_heads, num_kv_heads_of(cfg)
-    if heads % tp.size or (kv_heads % tp.size if kv_heads >= tp.size else tp.size % kv_heads):
-        from aioengine.errors import UnsupportedModelError
-
-        raise UnsupportedModelError(
-            f"the model has {heads} attention heads and {kv_heads} KV heads, which cannot be split over "
-            f"tensor_parallel_size={tp.size}: it must divide the attention heads, and divide the KV heads or be "
-            "a multiple of them"
-        )
-    if kv_heads >= tp.size:
-        local_kv = kv_heads // tp.size
-        return heads // tp.size, local_kv, tp.rank * local_kv
-    return heads // tp.size, 1, tp.rank * kv_heads // tp.size
+    """This rank's query heads, KV heads, and the first KV head it holds (``tp_layout.split_heads``)."""
+    return split_heads(cfg.num_attention_heads, num_kv_heads_of(cfg), tp.size, tp.rank)
 
 
 class LlamaAttention(nn.Module):

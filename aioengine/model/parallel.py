@@ -24,8 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from aioengine.errors import AIOEngineError, UnsupportedModelError
+from aioengine.errors import AIOEngineError
 from aioengine.loopback import LOOPBACK
+from aioengine.model.tp_layout import partition
 
 _CPU = torch.device("cpu")
 
@@ -134,11 +135,7 @@ class TensorParallel:
 
     def partition(self, total: int, what: str) -> int:
         """``total / size``; UnsupportedModelError naming ``what`` when it does not divide."""
-        if total % self.size:
-            raise UnsupportedModelError(
-                f"{what}={total} cannot be split over tensor_parallel_size={self.size}: it must divide evenly"
-            )
-        return total // self.size
+        return partition(total, self.size, what)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums ``x`` over the ranks, in place; returns it."""
