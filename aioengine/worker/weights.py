@@ -15,6 +15,7 @@ served. ``stage=True`` reads everything first and so is all-or-nothing for files
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,16 +51,12 @@ TensorStream = Callable[[Selector], Iterator[tuple[str, torch.Tensor]]]
 (``Shard``), lazily where it can (files, a broadcast)."""
 
 
-def _dtensor_type() -> type | None:
-    """torch's DTensor (what an FSDP2 ``state_dict()`` hands over); None in a build without distributed."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return None
-    return DTensor
-
-
-_DTENSOR = _dtensor_type()
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is torch's DTensor (what an FSDP2 ``state_dict()`` hands over). Only a process that
+    imported ``torch.distributed.tensor`` can hold one, so the check never imports it (a second at start-up)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +80,7 @@ def check_tensor(name: str, tensor: object, *, allow_non_finite: bool = False) -
     """``tensor`` if it can be copied into a parameter as it is; else CheckpointError naming it and why."""
     if not isinstance(tensor, torch.Tensor):
         raise CheckpointError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-    if _DTENSOR is not None and isinstance(tensor, _DTENSOR):
+    if _is_dtensor(tensor):
         raise CheckpointError(
             f"weight {name!r} is a DTensor (a shard of a distributed tensor, as FSDP2 state_dict() gives); "
             "send tensor.full_tensor() instead"
