@@ -121,20 +121,19 @@ def iter_safetensors(files: Iterable[Path], select: Selector | None = None) -> I
             raise _open_error(file, exc) from exc
         with handle as f:
             for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
-                if select is None:
-                    yield name, f.get_tensor(name)
-                    continue
-                target = select(name)
-                if target is None:
-                    continue
-                if target.shard is None:
-                    yield name, f.get_tensor(name)
-                    continue
-                shard = target.shard
-                view = f.get_slice(name)
-                index = [slice(None)] * len(view.get_shape())
-                index[shard.dim] = slice(shard.start, shard.start + shard.size)
-                yield name, view[tuple(index)]
+                target = select(name) if select is not None else WeightTarget(name)
+                if target is not None:
+                    yield name, _read(f, name, target.shard)
+
+
+def _read(f: Any, name: str, shard: Shard | None) -> torch.Tensor:
+    """Tensor ``name`` of an open safetensors file, or only its ``shard`` (the rest is never read)."""
+    if shard is None:
+        return f.get_tensor(name)
+    view = f.get_slice(name)
+    index = [slice(None)] * len(view.get_shape())
+    index[shard.dim] = slice(shard.start, shard.start + shard.size)
+    return view[tuple(index)]
 
 
 _ST_DTYPES = {
@@ -177,8 +176,8 @@ class WeightPlan:
     """Checks checkpoint tensors against a model and says where each goes, before anything is written.
 
     ``check`` validates one tensor (name, shape, dtype) and records the piece it fills; ``finish``
-    checks that every parameter is covered (unless partial). Used one tensor at a time when a model
-    loads, and over a whole source before the first write when weights are swapped into a live one.
+    checks that every parameter is covered (unless partial). Used over the whole source, from its
+    headers, before the first write: when a model loads and when weights are swapped into a live one.
     """
 
     def __init__(self, model: LlamaForCausalLM, *, strict: bool = True, partial: bool = False) -> None:
@@ -247,27 +246,6 @@ class WeightPlan:
 def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
     """Float to float (any width) is a safe cast for weights; integers, bools and complex are not."""
     return src.is_floating_point == dst.is_floating_point and not src.is_complex
-
-
-def load_weights(
-    model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True, partial: bool = False
-) -> int:
-    """Copies checkpoint tensors into ``model`` in place, checking each before it is written.
-
-    Returns the number of tensors written. Every parameter must be covered unless ``partial``
-    (an update of some weights of a loaded model); with ``strict`` an unknown name is an error.
-    This writes as it goes: for all-or-nothing updates check the whole source with a
-    :class:`WeightPlan` first (as ``update_weights`` does).
-    """
-    plan = WeightPlan(model, strict=strict, partial=partial)
-    written = 0
-    for name, tensor in weights:
-        target = plan.check(name, tensor.shape, tensor.dtype)
-        if target is not None:
-            plan.destination(target).copy_(shard_for_rank(tensor, target.shard))
-            written += 1
-    plan.finish()
-    return written
 
 
 def _hf_names(param: str) -> str:
