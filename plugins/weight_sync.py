@@ -35,7 +35,7 @@ from aioengine.errors import AIOEngineError, CheckpointError, WeightsLostError
 from aioengine.loopback import LOOPBACK, free_port
 from aioengine.messages import WorkerWeightsReport
 from aioengine.model.loader import narrowed
-from aioengine.model.parallel import loopback_store, make_group
+from aioengine.model.parallel import group_store, make_group
 from aioengine.worker.weights import SourceView, tensor_source
 
 __all__ = [
@@ -78,7 +78,7 @@ def trainer_group(
     ``init_weight_update_group`` calls), so start those concurrently. Keep both returned objects
     alive while the group is in use; dropping them closes it.
     """
-    store = loopback_store(master_port, 0, world_size, timeout)
+    store = group_store(master_port, 0, world_size, timeout)
     return store, make_group(store, 0, world_size, backend, timeout)
 
 
@@ -159,7 +159,7 @@ class WeightSyncExtension:
             raise AIOEngineError("backend 'nccl' needs the engine on a CUDA device; use backend='gloo'")
         timeout = timedelta(seconds=timeout_s)
         group_rank = rank + self.rank  # type: ignore[attr-defined]
-        store = loopback_store(master_port, group_rank, world_size, timeout)
+        store = group_store(master_port, group_rank, world_size, timeout)
         group = make_group(store, group_rank, world_size, backend, timeout)
         self._weight_sync_group = (store, group, backend)
 

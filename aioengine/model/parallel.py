@@ -31,7 +31,7 @@ from aioengine.model.tp_layout import partition
 _CPU = torch.device("cpu")
 
 
-def loopback_store(port: int, rank: int, world_size: int, timeout: timedelta, host: str = LOOPBACK) -> dist.Store:
+def group_store(port: int, rank: int, world_size: int, timeout: timedelta, host: str = LOOPBACK) -> dist.Store:
     """The TCP store of a private group: rank 0 hosts it on ``host:port`` (127.0.0.1 unless the ranks span
     several hosts), the others connect."""
     if rank != 0:
@@ -129,7 +129,7 @@ class TensorParallel:
         if size == 1:
             return cls(device=device)
         store_host, port = parse_init_method(init_method)
-        store = loopback_store(port, rank, size, timeout, store_host)
+        store = group_store(port, rank, size, timeout, store_host)
         backend = "nccl" if device.type == "cuda" else "gloo"
         return cls(rank, size, make_group(store, rank, size, backend, timeout, host), device, store)
 
