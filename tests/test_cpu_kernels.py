@@ -75,13 +75,21 @@ def test_kernel_builds_wherever_its_tools_are_present_and_computes_what_torch_do
 
 
 @pytest.mark.parametrize("block_size", [16, 1, 4])
-@pytest.mark.parametrize("dim", [64, 32])
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("dim", [64, 128, 32, 36])  # the two compiled-in head sizes, two taken at run time
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 4), (8, 1), (9, 3)])
 def test_kernel_equals_torch_decode_on_shuffled_blocks(kernel: ModuleType, heads: int, kv_heads: int, dim: int,
                                                        block_size: int) -> None:  # fmt: skip
     # One token, exactly one block, one past a boundary, one short of one, the full table width.
     lengths = [1, block_size, 2 * block_size + 1, 3 * block_size - 1, 4 * block_size]
     inputs = decode_rows(heads, kv_heads, dim, block_size, lengths, seed=heads * dim + block_size)
+    torch.testing.assert_close(kernel_decode(kernel, **inputs), torch_decode(**inputs), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [64, 36])
+def test_kernel_equals_torch_decode_over_a_large_batch(kernel: ModuleType, dim: int) -> None:
+    # Enough rows that a task takes every KV head of its row (a few rows split them across tasks).
+    lengths = [1 + (37 * i) % 130 for i in range(96)]
+    inputs = decode_rows(9, 3, dim, 16, lengths, seed=dim)
     torch.testing.assert_close(kernel_decode(kernel, **inputs), torch_decode(**inputs), atol=1e-5, rtol=1e-5)
 
 

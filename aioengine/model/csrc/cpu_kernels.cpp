@@ -12,6 +12,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,9 +25,148 @@
 
 namespace {
 
+// Eight floats as one value (GCC/Clang vector extensions): AVX registers on x86, pairs of NEON
+// registers on Arm. Loads and stores go through memcpy, so no pointer needs to be aligned.
+typedef float vec8 __attribute__((vector_size(32)));
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float sum8(vec8 v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+
+// out[0..3] = the sums of a0..a3.
+inline void sum8x4(vec8 a0, vec8 a1, vec8 a2, vec8 a3, float* out) {
+#if defined(__AVX__)
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a0, (__m256)a1), _mm256_hadd_ps((__m256)a2, (__m256)a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#else
+  out[0] = sum8(a0);
+  out[1] = sum8(a1);
+  out[2] = sum8(a2);
+  out[3] = sum8(a3);
+#endif
+}
+
+inline float exp_approx(float x);
+
+// One query head against one block of keys: s[t] = scale * q . k_t for t < n, key t at k + t * stride.
+// kD is the head size when known at compile time (the loops then unroll), 0 to take D at run time.
+template <int64_t kD>
+void block_scores(const float* q, const float* k, int64_t stride, int64_t n, int64_t D, float scale, float* s) {
+  if (kD) D = kD;
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {  // four keys at once: q is loaded once for them, and summed in one go
+    vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    const float* k0 = k + t * stride;
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+      const vec8 qq = load8(q + d);
+      a0 += qq * load8(k0 + d);
+      a1 += qq * load8(k0 + stride + d);
+      a2 += qq * load8(k0 + 2 * stride + d);
+      a3 += qq * load8(k0 + 3 * stride + d);
+    }
+    sum8x4(a0, a1, a2, a3, s + t);
+    for (; d < D; ++d) {
+      for (int64_t i = 0; i < 4; ++i) s[t + i] += q[d] * k0[i * stride + d];
+    }
+  }
+  for (; t < n; ++t) {
+    const float* kt = k + t * stride;
+    vec8 a = {};
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) a += load8(q + d) * load8(kt + d);
+    float sum = sum8(a);
+    for (; d < D; ++d) sum += q[d] * kt[d];
+    s[t] = sum;
+  }
+  for (t = 0; t < n; ++t) s[t] *= scale;
+}
+
+// acc = acc * c + sum over t < n of p[t] * v_t, value t at v + t * stride; acc stays in registers.
+template <int64_t kD>
+void block_values(float* acc, float c, const float* p, const float* v, int64_t stride, int64_t n, int64_t D) {
+  if (kD) D = kD;
+  if (kD) {
+    vec8 a[kD / 8];
+    for (int64_t i = 0; i < kD / 8; ++i) a[i] = load8(acc + 8 * i) * c;
+    for (int64_t t = 0; t < n; ++t) {
+      const float w = p[t];
+      const float* vt = v + t * stride;
+      for (int64_t i = 0; i < kD / 8; ++i) a[i] += load8(vt + 8 * i) * w;
+    }
+    for (int64_t i = 0; i < kD / 8; ++i) store8(acc + 8 * i, a[i]);
+    return;
+  }
+  for (int64_t d = 0; d < D; ++d) acc[d] *= c;
+  for (int64_t t = 0; t < n; ++t) {
+    const float w = p[t];
+    const float* vt = v + t * stride;
+    for (int64_t d = 0; d < D; ++d) acc[d] += w * vt[d];
+  }
+}
+
 // q [B, H, D]; kv_cache [2, num_blocks, block_size, Hkv, D]; block_tables [B, W] int64;
 // context_lens [B] int64 (row b attends to positions 0 .. context_lens[b]-1); out [B, H, D].
 // Query head h reads KV head h / (H / Hkv), as HF's repeat_kv does.
+//
+// Decode attention reads every row's whole context from memory, so at large batches its cost is
+// memory traffic. A task is one row and a run of its KV heads (all of them when there are rows
+// enough to keep every thread busy), walking the row's blocks once: each block's keys and values
+// are read once, for every query head of the task, in the cache's own order (whole token rows when
+// the task has every head). The softmax is taken online, a running maximum and sum per head with
+// the values accumulated so far rescaled when the maximum grows, so nothing the size of the context
+// is stored.
+template <int64_t kD>
+void paged_decode_attention_impl(const float* qp, const float* kp, const float* vp, const int64_t* bt,
+                                 const int64_t* cl, float* op, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                                 int64_t bs, int64_t W, float scale) {
+  const int64_t G = H / Hkv, token_stride = Hkv * D;
+  const int64_t heads_per_task = B >= 4 * at::get_num_threads() ? Hkv : 1;
+  const int64_t tasks_per_row = Hkv / heads_per_task;
+  at::parallel_for(0, B * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
+    const int64_t hq_count = heads_per_task * G;
+    std::vector<float> scores(hq_count * bs), running_max(hq_count), running_sum(hq_count), acc(hq_count * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / tasks_per_row, h0 = (task % tasks_per_row) * heads_per_task, L = cl[b];
+      const int64_t* table = bt + b * W;
+      const float* qb = qp + (b * H + h0 * G) * D;  // the task's query heads, hq_count of them
+      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(running_sum.begin(), running_sum.end(), 0.f);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j * bs < L; ++j) {
+        const int64_t n = std::min(bs, L - j * bs);
+        const int64_t base = table[j] * bs * token_stride + h0 * D;
+        for (int64_t hq = 0; hq < hq_count; ++hq) {
+          const int64_t kv_offset = base + (hq / G) * D;
+          float* s = scores.data() + hq * bs;
+          block_scores<kD>(qb + hq * D, kp + kv_offset, token_stride, n, D, scale, s);
+          const float m = std::max(running_max[hq], *std::max_element(s, s + n));
+          float sum = 0.f;
+          for (int64_t t = 0; t < n; ++t) {
+            s[t] = exp_approx(s[t] - m);
+            sum += s[t];
+          }
+          const float correction = exp_approx(running_max[hq] - m);  // 0 on the first block
+          running_sum[hq] = running_sum[hq] * correction + sum;
+          running_max[hq] = m;
+          block_values<kD>(acc.data() + hq * D, correction, s, vp + kv_offset, token_stride, n, D);
+        }
+      }
+      float* ob = op + (b * H + h0 * G) * D;
+      for (int64_t hq = 0; hq < hq_count; ++hq) {
+        const float inv = 1.f / running_sum[hq];
+        for (int64_t d = 0; d < D; ++d) ob[hq * D + d] = acc[hq * D + d] * inv;
+      }
+    }
+  });
+}
+
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2 && context_lens.dim() == 1,
@@ -39,7 +182,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, con
   TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == D && Hkv > 0 && H % Hkv == 0,
               "paged_decode_attention: kv_cache does not match q's heads / head size");
   TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "paged_decode_attention: one table row per query");
-  const int64_t G = H / Hkv, W = block_tables.size(1);
+  const int64_t W = block_tables.size(1);
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
   const int64_t* bt = tables.data_ptr<int64_t>();
   const int64_t* cl = lens.data_ptr<int64_t>();
@@ -51,52 +194,12 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, con
                   bt[b * W + j], " of row ", b, " outside 0..", num_blocks - 1);
     }
   }
-  const float* qp = q.data_ptr<float>();
   const float* kp = kv_cache.data_ptr<float>();
   const float* vp = kp + num_blocks * bs * Hkv * D;
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(G * D);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / Hkv, h = i % Hkv, L = cl[b];
-      const int64_t* table = bt + b * W;
-      const float* qb = qp + (b * H + h * G) * D;
-      scores.resize(G * L);
-      for (int64_t t = 0; t < L; ++t) {
-        const float* k = kp + ((table[t / bs] * bs + t % bs) * Hkv + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qq = qb + g * D;
-          float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qq[d] * k[d];
-          scores[g * L + t] = s * fscale;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {  // softmax over the row's context, max-subtracted
-        float* sc = scores.data() + g * L;
-        const float m = *std::max_element(sc, sc + L);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          sc[t] = std::exp(sc[t] - m);
-          sum += sc[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const float* v = vp + ((table[t / bs] * bs + t % bs) * Hkv + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float w = scores[g * L + t];
-          float* a = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
-        }
-      }
-      std::copy(acc.begin(), acc.end(), op + (b * H + h * G) * D);
-    }
-  });
+  const auto run = D == 64 ? paged_decode_attention_impl<64>
+                   : D == 128 ? paged_decode_attention_impl<128>
+                              : paged_decode_attention_impl<0>;
+  run(q.data_ptr<float>(), kp, vp, bt, cl, out.data_ptr<float>(), B, H, Hkv, D, bs, W, static_cast<float>(scale));
 }
 
 // Index of the first maximum of every row of x [B, V] float32 (greedy sampling), as int64 [B].
