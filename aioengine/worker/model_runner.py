@@ -230,9 +230,11 @@ class ModelRunner:
         return runner.capture()
 
     @torch.inference_mode()
-    def profile_run(self) -> None:
-        """A forward at the largest step the scheduler can send, on a scratch cache just big enough."""
-        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+    def profile_run(self, num_tokens: int | None = None) -> None:
+        """A forward of one prefill of ``num_tokens`` (None: the largest step the scheduler can send), on a
+        scratch cache just big enough."""
+        largest = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        num_tokens = largest if num_tokens is None else min(num_tokens, largest)
         info = self.model_info()
         blocks = -(-num_tokens // self.block_size)
         scratch = CacheEngine(

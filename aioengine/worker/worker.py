@@ -46,6 +46,9 @@ from aioengine.worker.weights import (
 
 logger = logging.getLogger(__name__)
 
+CPU_WARM_UP_TOKENS = 64
+"""The CPU warm-up forward's prompt length (``compile_or_warm_up_model``)."""
+
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """``auto`` -> this rank's CUDA device if there is one, else the CPU."""
@@ -255,10 +258,14 @@ class Worker(WorkerBase):
         )
 
     def compile_or_warm_up_model(self) -> float:
-        """Warm-up forward, then decode graph capture (CUDA); returns seconds, which are logged."""
+        """Warm-up forward, then decode graph capture (CUDA); returns seconds, which are logged.
+
+        On CUDA the forward is at the largest step (the allocator's pools then hold what steps need); on
+        CPU a short one, enough to load every kernel: the host has no pools to fill, and a forward at the
+        largest step costs seconds there."""
         start = time.perf_counter()
         runner = self._runner()
-        runner.profile_run()
+        runner.profile_run(None if self.device.type == "cuda" else CPU_WARM_UP_TOKENS)
         capture = runner.capture_model()
         seconds = time.perf_counter() - start
         logger.info("warm-up took %.2fs (graph capture %.2fs)", seconds, capture)
