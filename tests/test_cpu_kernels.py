@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from aioengine import AsyncEngine
 from aioengine.messages import ScheduledRequest, SchedulerOutput
@@ -27,6 +28,7 @@ from aioengine.model.attention import _decode_rows, paged_attention
 from aioengine.model.layers import Linear, cpu_prepack_supported, set_weight_prepack
 from aioengine.sampling.params import SamplingParams
 from aioengine.worker.model_runner import ModelRunner
+from aioengine.worker.weights import apply_weights, describe_source
 from tests.conftest import engine_config
 from tests.helpers import final, hf_generate
 from tests.weight_swap_support import hf_model
@@ -233,6 +235,25 @@ def test_weights_changed_drops_every_packed_copy_and_the_next_forward_rebuilds_t
     assert all(m._packed is None for m in layers)
     runner.profile_run()  # one whole forward
     assert all(m._packed is not None for m in layers)
+
+
+def test_a_weight_write_packs_each_layer_as_its_weight_is_completed(llama_ckpt: Path) -> None:
+    runner = ModelRunner(engine_config(llama_ckpt), torch.device("cpu"))
+    runner.load_model(str(llama_ckpt))
+    assert runner.model is not None
+    layers = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    old_copies = [m._packed for m in layers]
+    gen = torch.Generator().manual_seed(1)
+    source = {
+        n: torch.randn(t.shape, generator=gen) * 0.02 for n, t in load_file(llama_ckpt / "model.safetensors").items()
+    }
+    apply_weights(runner.model, describe_source(source))
+    # Packed during the write (q, k and v fill one fused weight, gate and up another): nothing left to pack.
+    assert all(m._packed is not None and m.packed_current() for m in layers)
+    assert not any(m._packed is old for m, old in zip(layers, old_copies, strict=True))
+    assert runner.prepack_weights() == 0
+    for layer in layers:
+        assert_runs_packed(layer, torch.randn(3, layer.in_features, generator=gen))
 
 
 # ---- through the engine ------------------------------------------------------------------------------

@@ -69,6 +69,11 @@ class Linear(nn.Linear):
         self._packed_source = weight.untyped_storage()
         return weight.nbytes
 
+    def packed_current(self) -> bool:
+        """Whether a packed copy exists and was made from the weight as it is now (as far as can be seen:
+        writes through ``.data`` show only through ``drop_packed``, which every weight write calls)."""
+        return self._packed is not None and self._packed_key == _weight_key(self.weight)
+
     def drop_packed(self) -> None:
         self._packed = None
         self._packed_key = None
@@ -120,10 +125,15 @@ def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
 
 
 def set_weight_prepack(model: nn.Module, hint: int | None) -> int:
-    """Turns oneDNN packing of every ``Linear`` on (reordered now) or off (None); returns bytes packed."""
+    """Turns oneDNN packing of every ``Linear`` on (reordered now) or off (None); returns bytes packed.
+
+    A layer already packed for this hint from its current weight (a weight write packs each layer as its
+    weight is completed, ``LlamaForCausalLM.weight_written``) keeps its copy."""
     total = 0
     for module in model.modules():
         if isinstance(module, Linear):
+            if hint is not None and module.prepack_hint == hint and module.packed_current():
+                continue
             module.prepack_hint = hint
             module.drop_packed()
             if hint is not None:

@@ -156,6 +156,24 @@ class LlamaForCausalLM(nn.Module):
         Writes through ``param.data`` do not bump the version counter, so they cannot be seen otherwise."""
         drop_packed_weights(self)
 
+    def weight_written(self, param: str) -> None:
+        """Called by a weight write once parameter ``param`` is wholly written: the linear layers computing
+        from it rebuild their packed copies now, while the weight is still in the CPU's caches, instead of
+        reading it all back from memory after the write."""
+        for linear in self._linears_of.get(param, ()):
+            if linear.prepack_hint is not None:
+                linear.pack()
+
+    @functools.cached_property
+    def _linears_of(self) -> dict[str, list[Linear]]:
+        # By identity: the tied LM head's weight is the embedding's parameter, named once.
+        names = {id(p): n for n, p in self.named_parameters()}
+        out: dict[str, list[Linear]] = {}
+        for module in self.modules():
+            if isinstance(module, Linear):
+                out.setdefault(names[id(module.weight)], []).append(module)
+        return out
+
     @property
     def num_layers(self) -> int:
         return len(self.model.layers)

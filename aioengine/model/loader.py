@@ -189,6 +189,7 @@ class WeightPlan:
         self.targets: dict[str, WeightTarget | None] = {}
         """Checked names -> where each goes (None: skipped)."""
         self._marked_changed = False
+        self._rows_written: dict[str, int] = {}
 
     def check(self, name: str, shape: Iterable[int], dtype: torch.dtype) -> WeightTarget | None:
         """Where ``name`` goes (None: a tensor to skip); raises CheckpointError naming the tensor."""
@@ -222,6 +223,16 @@ class WeightPlan:
             self.model.weights_changed()
             self._marked_changed = True
         return self._piece(target)
+
+    def written(self, target: WeightTarget) -> None:
+        """Records that ``target``'s piece was copied; once every row of its parameter has been, tells the
+        model (``weight_written``: derived copies are rebuilt while the weight is in cache)."""
+        param = self.params[target.param]
+        rows = self._piece(target).shape[0] if param.dim() else 1
+        done = self._rows_written.get(target.param, 0) + rows
+        self._rows_written[target.param] = done
+        if done == (param.shape[0] if param.dim() else 1):
+            self.model.weight_written(target.param)
 
     def _piece(self, target: WeightTarget) -> torch.Tensor:
         # Checking only reads: stage_weights checks beside a running forward (Executor.run_aside), so

@@ -265,7 +265,7 @@ class Worker(WorkerBase):
         largest step costs seconds there."""
         start = time.perf_counter()
         runner = self._runner()
-        runner.profile_run(None if self.device.type == "cuda" else CPU_WARM_UP_TOKENS)
+        runner.profile_run(None if runner.device.type == "cuda" else CPU_WARM_UP_TOKENS)
         capture = runner.capture_model()
         seconds = time.perf_counter() - start
         logger.info("warm-up took %.2fs (graph capture %.2fs)", seconds, capture)
