@@ -21,6 +21,7 @@ COMMANDS = {
     "sleep_wake": "sleep and wake seconds per level beside a memcpy floor",
     "weight_swap": "hot weight swap seconds and stream gaps beside disk floors",
     "serving": "HTTP overhead: streamed /v1/completions vs AsyncEngine.generate per concurrency; req/s, TTFT, ITL",
+    "startup": "seconds from AsyncEngine(...) to the first token, cold (fresh process) and warm",
     "tp": "tensor parallelism: TP=1 vs TP=2 on the mp executor; tokens/s, communication share, calls per step",
 }
 
