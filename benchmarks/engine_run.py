@@ -34,8 +34,12 @@ class EngineRun:
     steps: list[SchedulerOutput]
 
 
-def engine_config(path: Path, reqs: list[BenchRequest], max_num_seqs: int, max_batched_tokens: int) -> EngineConfig:
-    """float32 on CPU with the issue's limits; a KV cache that holds every request at once (no preemption)."""
+def engine_config(
+    path: Path, reqs: list[BenchRequest], max_num_seqs: int, max_batched_tokens: int, *, prefix_caching: bool = False
+) -> EngineConfig:
+    """float32 on CPU with the issue's limits; a KV cache that holds every request at once (no preemption).
+    Prefix caching is off unless asked for: repeats send the same prompts, which a cache would serve from the
+    first repeat's KV (vLLM's runs turn it off too)."""
     sections: dict[str, Any] = dict(
         model={"path": str(path), "dtype": "float32"},
         device={"device": "cpu"},
@@ -43,7 +47,7 @@ def engine_config(path: Path, reqs: list[BenchRequest], max_num_seqs: int, max_b
     )
     block = EngineConfig(**sections).cache.block_size
     blocks = sum(-(-(len(r.prompt) + r.max_tokens) // block) for r in reqs) + 64  # + null block and slack
-    return EngineConfig(**sections, cache={"num_blocks": blocks})
+    return EngineConfig(**sections, cache={"num_blocks": blocks, "enable_prefix_caching": prefix_caching})
 
 
 def params(req: BenchRequest) -> SamplingParams:

@@ -165,7 +165,7 @@ async def run_all(path: Path, reqs: list[BenchRequest], args: argparse.Namespace
     n = args.n
     separate = [r for r in reqs for _ in range(n)]  # the KV cache holds the separate run whole: no preemption
     max_seqs = args.max_num_seqs or len(separate)
-    config = engine_config(path, separate, max_seqs, args.max_batched_tokens)
+    config = engine_config(path, separate, max_seqs, args.max_batched_tokens, prefix_caching=True)  # as served
     model = None if args.skip_hf else load_hf(path)
     if model is not None:
         _hf_samples(model, BenchRequest(reqs[0].prompt[:16], 2), 2)  # warm-up, untimed

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks.ceiling import Ceiling
 from benchmarks.engine_run import EngineRun
 from benchmarks.results import Floors, OnlineResult, SystemResult
 
@@ -42,28 +43,48 @@ def table(head: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) 
     return [f"| {' | '.join(cells)} |" for cells in [head, align, *rows]]
 
 
-def systems_table(run: EngineRun, systems: list[SystemResult]) -> list[str]:
-    """Offline tokens/s of every system and aioengine's ratio to each."""
+def _share(ceiling: Ceiling, tokens_per_s: float | None) -> str:
+    share = ceiling.share(tokens_per_s)
+    return "-" if share is None else f"{share:.2f}"
+
+
+def systems_table(run: EngineRun, systems: list[SystemResult], ceiling: Ceiling | None = None) -> list[str]:
+    """Offline tokens/s of every system, aioengine's ratio to each, start-up where measured, and, with a
+    ceiling, each system's share of it."""
     ours = run.result.tokens_per_s
     rows = [run.result, *systems]
     if (best := best_static(systems)) is not None:
         rows.append(best)
-    head = ["system", "output tokens/s", "seconds", "aioengine / system", "other load (cores)", "note"]
-    return table(
-        head,
-        [
-            [
-                s.name,
-                "not available" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}",
-                "-" if s.seconds is None else f"{s.seconds:.2f}",
-                ratio(ours, s.tokens_per_s),
-                _load(s.others_load),
-                s.note,
-            ]
-            for s in rows
-        ],
-        left=(0, 5),
-    )
+    head = ["system", "output tokens/s", "seconds", "aioengine / system", "start-up s", "other load (cores)", "note"]
+    if ceiling is not None:
+        head.insert(4, "share of ceiling")
+    lines = []
+    for s in rows:
+        cells = [
+            s.name,
+            "not available" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}",
+            "-" if s.seconds is None else f"{s.seconds:.2f}",
+            ratio(ours, s.tokens_per_s),
+            "-" if s.startup_seconds is None else f"{s.startup_seconds:.1f}",
+            _load(s.others_load),
+            s.note,
+        ]
+        if ceiling is not None:
+            cells.insert(4, _share(ceiling, s.tokens_per_s))
+        lines.append(cells)
+    if ceiling is not None:
+        ceiling_row = ["**FLOP ceiling**", f"{ceiling.tokens_per_s:.1f}", "-", ratio(ours, ceiling.tokens_per_s)]
+        lines.append([*ceiling_row, "1.00", "-", _load(ceiling.peak.others_load), "fp32 GEMM peak; see below"])
+    return table(head, lines, left=(0, len(head) - 1))
+
+
+def pairs_lines(pairs: dict[str, list[float]]) -> list[str]:
+    """aioengine / vLLM per repeat, for each setting: how steady the ratio was."""
+    return [
+        f"aioengine / {name}, each repeat: {', '.join(f'{r:.2f}' for r in ratios)}"
+        for name, ratios in pairs.items()
+        if ratios
+    ]
 
 
 def time_table(run: EngineRun, floors: Floors | None) -> list[str]:
@@ -130,22 +151,35 @@ def noisy(
     floors: Floors | None,
     online: list[OnlineResult],
     threshold: float = 0.3,
+    ceiling: Ceiling | None = None,
 ) -> list[str]:
     """Names of the measurements taken while other processes kept more than ``threshold`` cores busy."""
     loads = [(s.name, s.others_load) for s in [run.result, *systems]]
+    loads += [("the GEMM peak", ceiling.peak.others_load if ceiling else None)]
     loads += [("floors", floors.others_load if floors else None)]
     loads += [(f"online {o.fraction:.0%}", o.others_load) for o in online]
     return [f"{name} ({load:.2f})" for name, load in loads if load is not None and load > threshold]
 
 
 def markdown(
-    title: str, run: EngineRun, systems: list[SystemResult], floors: Floors | None, online: list[OnlineResult]
+    title: str,
+    run: EngineRun,
+    systems: list[SystemResult],
+    floors: Floors | None,
+    online: list[OnlineResult],
+    ceiling: Ceiling | None = None,
+    pairs: dict[str, list[float]] | None = None,
 ) -> str:
-    """The whole report: ``title``, then the three tables."""
-    lines = [title, "", *systems_table(run, systems), "", *time_table(run, floors)]
+    """The whole report: ``title``, then the three tables (the ceiling's line below the first)."""
+    lines = [title, "", *systems_table(run, systems, ceiling)]
+    if ceiling is not None:
+        lines += ["", ceiling.describe()]
+    if pair_lines := pairs_lines(pairs or {}):
+        lines += ["", *pair_lines]
+    lines += ["", *time_table(run, floors)]
     if online:
         lines += ["", *online_table(online)]
-    if busy := noisy(run, systems, floors, online):
+    if busy := noisy(run, systems, floors, online, ceiling=ceiling):
         lines += [
             "",
             f"**Noisy**: other processes kept cores busy during {', '.join(busy)}; torch's "
@@ -161,14 +195,21 @@ def write_json(
     systems: list[SystemResult],
     floors: Floors | None,
     online: list[OnlineResult],
+    ceiling: Ceiling | None = None,
+    pairs: dict[str, list[float]] | None = None,
 ) -> None:
     """Everything measured plus ``meta`` (model, versions, limits) as one JSON object."""
     ours = run.result.tokens_per_s
     best = best_static(systems)
+
+    def shares(s: SystemResult) -> dict[str, float | None]:
+        return {"ceiling_share": ceiling.share(s.tokens_per_s)} if ceiling is not None else {}
+
     data = {
         **meta,
         "aioengine": {
             **dataclasses.asdict(run.result),
+            **shares(run.result),
             "wall_seconds": run.wall,
             "worker_seconds": run.worker_seconds,
             "num_steps": run.num_steps,
@@ -176,9 +217,22 @@ def write_json(
             "idle_loop_lag_p99_seconds": run.idle_loop_lag_p99,
         },
         "systems": [
-            {**dataclasses.asdict(s), "aioengine_ratio": ours / s.tokens_per_s if ours and s.tokens_per_s else None}
+            {
+                **dataclasses.asdict(s),
+                **shares(s),
+                "aioengine_ratio": ours / s.tokens_per_s if ours and s.tokens_per_s else None,
+            }
             for s in systems
         ],
+        "aioengine_vllm_ratio_each_repeat": pairs or {},
+        "ceiling": None
+        if ceiling is None
+        else {
+            "gemm_peak": dataclasses.asdict(ceiling.peak),
+            "flops": {**dataclasses.asdict(ceiling.flops), "total": ceiling.flops.total},
+            "tokens_per_s": ceiling.tokens_per_s,
+            "tokens_per_s_without_attention": ceiling.tokens_per_s_without_attention,
+        },
         "hf_best_static": dataclasses.asdict(best) if best else None,
         "floors": dataclasses.asdict(floors) if floors else None,
         "engine_efficiency": floors.replay_seconds / run.wall if floors else None,
@@ -198,7 +252,9 @@ def write_plot(path: Path, title: str, run: EngineRun, systems: list[SystemResul
         return False
     bars = [s for s in [run.result, *systems] if s.tokens_per_s]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), width_ratios=[1.3, 1])
-    colors = ["tab:green" if s.name == "aioengine" else "tab:gray" for s in bars]
+    colors = [
+        "tab:green" if s.name == "aioengine" else "tab:blue" if s.name.startswith("vLLM") else "tab:gray" for s in bars
+    ]
     left.barh([s.name for s in bars][::-1], [s.tokens_per_s for s in bars][::-1], color=colors[::-1])
     for y, s in enumerate(bars[::-1]):
         left.text(s.tokens_per_s, y, f" {s.tokens_per_s:.0f}", va="center", fontsize=8)  # type: ignore[arg-type]

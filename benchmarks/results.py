@@ -16,6 +16,8 @@ class SystemResult:
     note: str = ""
     others_load: float | None = None
     """Cores the rest of the machine kept busy meanwhile (cpu_load.py): high means a noisy number."""
+    startup_seconds: float | None = None
+    """From start to ready for the first request (engine construction, loading); None where not measured."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,18 @@
-"""Offline and online throughput: aioengine beside HF transformers, same checkpoint, same run.
+"""Offline and online throughput: aioengine beside vLLM's CPU engine and HF transformers, same
+checkpoint, same run, under a FLOP ceiling.
 
     python -m benchmarks throughput [--requests 64] [--model tiny|small|real] [--out bench_out/]
+        [--vllm-python /tmp/vllm-venv/bin/python] [--vllm-settings documented,out-of-the-box,best]
 
-Systems, in one process, one after the other: aioengine (every request submitted at once), HF
+Systems, in one process run: aioengine (every request submitted at once), vLLM's CPU engine under
+named settings (vllm_cpu.py; only with ``--vllm-python`` or ``AIOENGINE_VLLM_PYTHON``), HF
 ``generate`` in static left-padded batches of 8, 32 and 64, and HF's own continuous batching, each
-run ``--repeats`` times (default 3; a shared machine is noisy) and reported by its median run. Then
-two floors for aioengine's steps (replayed on the worker; GEMMs alone) and aioengine online under
-Poisson arrivals at three shares of its offline request rate. Workload and models: workload.py.
-Writes a markdown table to stdout, and JSON + PNG under --out.
+run ``--repeats`` times (default 3; a shared machine is noisy) and reported by its median run. vLLM's
+runs alternate with aioengine's (an aioengine run, then one of every vLLM setting, and again); HF's
+come after. Then two floors for aioengine's steps (replayed on the worker; GEMMs alone) and aioengine
+online under Poisson arrivals at three shares of its offline request rate. The FLOP ceiling
+(ceiling.py: the workload's FLOPs at the fp32 GEMM peak measured first) gives every system's share.
+Workload and models: workload.py. Writes a markdown table to stdout, and JSON + PNG under --out.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import torch
 import transformers
 
 from aioengine import AsyncEngine
-from benchmarks import hf_baselines, report
+from benchmarks import hf_baselines, report, vllm_cpu
+from benchmarks.ceiling import Ceiling, ceiling, measure_gemm_peak
 from benchmarks.engine_run import EngineRun, engine_config, run_offline
 from benchmarks.floors import measure_floors
 from benchmarks.online import serve_poisson
@@ -44,10 +50,17 @@ async def run_engine(
     path: Path,
     reqs: list[BenchRequest],
     args: argparse.Namespace,
-) -> tuple[EngineRun, Floors | None, list[OnlineResult]]:
-    """One engine for the offline run, its floors, then the online rates (which need the offline rate)."""
+    vllm_runs: list[vllm_cpu.VllmRun],
+) -> tuple[EngineRun, list[float], Floors | None, list[OnlineResult]]:
+    """One engine for the offline run, its floors, then the online rates (which need the offline rate).
+
+    After each offline repeat, every started vLLM setting runs once (aioengine idle meanwhile), so a
+    slow spell of the machine falls on both sides. Also returns each repeat's tokens/s, for the
+    per-repeat ratios."""
     config = engine_config(path, reqs, args.max_num_seqs, args.max_batched_tokens)
+    start = time.perf_counter()
     async with AsyncEngine(config) as engine:
+        startup = time.perf_counter() - start
         runs = []
         for _ in range(args.repeats):
             runs.append(await run_offline(engine, reqs))
@@ -55,8 +68,12 @@ async def run_engine(
                 f"aioengine: {runs[-1].result.tokens_per_s:.1f} tok/s, "
                 f"{runs[-1].num_steps} steps in {runs[-1].wall:.2f}s"
             )
+            for vllm in vllm_runs:
+                if (line := await asyncio.to_thread(vllm.run)) is not None:
+                    log(f"{vllm.name}: {line['tokens_per_s']:.1f} tok/s in {line['seconds']:.2f}s")
         run = median(runs, lambda r: r.wall)
-        run = dataclasses.replace(run, result=with_spread(run.result, [r.result for r in runs]))
+        spread = with_spread(run.result, [r.result for r in runs])
+        run = dataclasses.replace(run, result=dataclasses.replace(spread, startup_seconds=startup))
         floors = await measure_floors(engine, run.steps)
         if floors is not None:
             log(f"floors: replay {floors.replay_seconds:.2f}s, GEMMs {floors.gemm_seconds:.2f}s")
@@ -66,7 +83,39 @@ async def run_engine(
             result = await serve_poisson(engine, reqs[: args.online_requests], offline_rps * fraction, fraction)
             log(f"online at {fraction:.0%}: TTFT p50 {result.ttft_p50 or 0:.3f}s, ITL p50 {result.itl_p50 or 0:.4f}s")
             online.append(result)
-    return run, floors, online
+    return run, [r.result.tokens_per_s or 0.0 for r in runs], floors, online
+
+
+def start_vllm(path: Path, reqs: list[BenchRequest], args: argparse.Namespace) -> list[vllm_cpu.VllmRun]:
+    """Every asked-for vLLM setting started (one at a time, before aioengine, so each start-up is timed
+    alone) and left stopped until its runs; none when no vLLM python was given."""
+    python = vllm_cpu.vllm_python(args.vllm_python)
+    if python is None:
+        log(f"vLLM CPU: skipped (no --vllm-python, no {vllm_cpu.PYTHON_ENV})")
+        return []
+    if (problem := vllm_cpu.check_python(python)) is not None:
+        log(f"vLLM CPU: skipped ({problem})")
+        return []
+    runs = vllm_cpu.prepare(
+        python, path, reqs, args.vllm_settings, args.max_num_seqs, args.max_batched_tokens, args.out / "vllm_logs"
+    )
+    for vllm in runs:
+        log(f"{vllm.name}: starting ({' '.join(f'{k}={v}' for k, v in vllm.env.items())})")
+        if vllm.start():
+            log(f"{vllm.name}: ready, start-up {vllm.startup_seconds:.1f}s")
+        else:
+            log(f"{vllm.name}: {vllm.error}")
+    return runs
+
+
+def measure_ceiling(path: Path, reqs: list[BenchRequest]) -> Ceiling:
+    """The GEMM peak on torch's threads now (nothing else of ours running), and the workload's FLOPs."""
+    result = ceiling(path, reqs, measure_gemm_peak())
+    log(
+        f"ceiling: GEMM peak {result.peak.flops_per_s / 1e9:.1f} GFLOP/s, "
+        f"{result.tokens_per_s:.0f} tok/s ({result.tokens_per_s_without_attention:.0f} without attention)"
+    )
+    return result
 
 
 def run_hf(path: Path, reqs: list[BenchRequest], args: argparse.Namespace) -> list[SystemResult]:
@@ -115,6 +164,14 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _settings(text: str) -> list[str]:
+    """Setting names; "out-of-the-box" (or with underscores) spares the shell's quotes."""
+    names = [" ".join(x.replace("-", " ").replace("_", " ").split()) for x in text.split(",") if x.strip()]
+    if unknown := [n for n in names if n not in vllm_cpu.SETTINGS]:
+        raise argparse.ArgumentTypeError(f"unknown {unknown}: choose from {', '.join(vllm_cpu.SETTINGS)}")
+    return names
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks throughput",
@@ -129,6 +186,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batched-tokens", type=int, default=512)
     parser.add_argument("--hf-batch-sizes", type=_ints, default=[8, 32, 64], help="comma separated; empty: none")
     parser.add_argument("--no-hf-cb", dest="hf_cb", action="store_false", help="skip HF continuous batching")
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help=f"python of a venv with vllm-cpu (default: ${vllm_cpu.PYTHON_ENV}; neither: vLLM is skipped)",
+    )
+    parser.add_argument(
+        "--vllm-settings",
+        type=_settings,
+        default=list(vllm_cpu.SETTINGS),
+        help="comma separated, of: documented, out-of-the-box, best (default: all three)",
+    )
     parser.add_argument(
         "--repeats", type=int, default=3, help="offline runs of every system; each reports its median run"
     )
@@ -148,15 +217,23 @@ def main(argv: list[str] | None = None) -> None:
     path = checkpoint(args.model, args.cache)
     reqs = workload(args.requests, vocab_size(args.model))
     log(f"model {args.model} at {path}; {len(reqs)} requests, {output_tokens(reqs)} output tokens")
-    run, floors, online = asyncio.run(run_engine(path, reqs, args))
-    systems = run_hf(path, reqs, args)
+    flop_ceiling = measure_ceiling(path, reqs)
+    vllm_runs = start_vllm(path, reqs, args)
+    try:
+        run, aioengine_rates, floors, online = asyncio.run(run_engine(path, reqs, args, vllm_runs))
+    finally:
+        for vllm in vllm_runs:
+            vllm.close()
+    systems = [v.result() for v in vllm_runs] + run_hf(path, reqs, args)
+    pairs = {v.name: vllm_cpu.pair_ratios(aioengine_rates, v.runs) for v in vllm_runs}
 
+    vllm_version = next((v.ready["vllm"] for v in vllm_runs if v.ready), None)
     title = (
         f"{len(reqs)} requests ({output_tokens(reqs)} output tokens), model {args.model}, float32 CPU, "
         f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}"
+        f"transformers {transformers.__version__}" + (f", vLLM CPU {vllm_version}" if vllm_version else "")
     )
-    print(report.markdown(title, run, systems, floors, online))
+    print(report.markdown(title, run, systems, floors, online, flop_ceiling, pairs))
     meta: dict[str, Any] = {
         "model": args.model,
         "model_spec": MODELS[args.model],
@@ -167,13 +244,14 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_threads": torch.get_num_threads(),
+        "vllm": [v.describe() for v in vllm_runs],
         "python": platform.python_version(),
         "machine": platform.machine(),
         "unix_time": time.time(),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"throughput_{args.model}"
-    report.write_json(stem.with_suffix(".json"), meta, run, systems, floors, online)
+    report.write_json(stem.with_suffix(".json"), meta, run, systems, floors, online, flop_ceiling, pairs)
     plotted = report.write_plot(stem.with_suffix(".png"), title, run, systems, online)
     written = f"{stem}.json" + (f" and {stem}.png" if plotted else "")
     print(f"\nwrote {written} ({time.perf_counter() - started:.0f}s in all)")
