@@ -4,7 +4,8 @@
 
 Two random-init Llama checkpoints of the same shape (A and B, ~560 MB of float32 each). An engine
 serves A while a few greedy streams run; ``update_weights`` swaps B in (mode "pause"), then A
-again with ``stage=True`` (read and checked while serving, so the pause covers only the copy).
+again with ``stage=True`` (read and checked while serving, so the pause covers only the copy), then B
+from a dict of tensors in memory (what an RL trainer in the same process hands over).
 Beside them, in the same run and with the page cache warmed by a first read: reading the same
 files' bytes, and ``safetensors.torch.load_file`` + ``copy_`` into preallocated tensors (a swap's
 work without the engine): the floors a swap from disk cannot beat.
@@ -95,7 +96,7 @@ def disk_floors(path: Path) -> tuple[float, float, int]:
     return best_of(read_bytes), best_of(load_and_copy), nbytes
 
 
-async def swap(engine: AsyncEngine, streams: Streams, source: Path, **kwargs: Any) -> tuple[WeightUpdateReport, float]:
+async def swap(engine: AsyncEngine, streams: Streams, source: Any, **kwargs: Any) -> tuple[WeightUpdateReport, float]:
     """The update's report and the longest gap between two outputs of any stream while it ran."""
     start = time.perf_counter()
     report = await engine.update_weights(source, **kwargs)
@@ -116,9 +117,11 @@ async def run(
         quiet_start = time.perf_counter()
         await asyncio.sleep(1.0)
         steady = statistics.median(streams.gaps_within(quiet_start, time.perf_counter()))
+        in_memory = {n: t.clone() for f in checkpoint_files(b) for n, t in load_file(str(f)).items()}
         rows = [
             ('update_weights(B, mode="pause")', await swap(engine, streams, b, mode="pause")),
             ('update_weights(A, mode="pause", stage=True)', await swap(engine, streams, a, mode="pause", stage=True)),
+            ('update_weights({B as tensors in memory}, mode="pause")', await swap(engine, streams, in_memory)),
         ]
         streams.stop = True
         await load
