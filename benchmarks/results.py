@@ -3,7 +3,23 @@ JSON and a plot. Seconds everywhere; None where a system or measurement was not 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def median(runs: list[T], key: Callable[[T], float]) -> T:
+    """The run in the middle by ``key`` (the slower of the middle two for an even count)."""
+    return sorted(runs, key=key)[len(runs) // 2]
+
+
+def spread_note(rates: list[float]) -> str | None:
+    """How the tokens/s of a system's repeats spread, for its note; None for a single run."""
+    if len(rates) < 2:
+        return None
+    return f"median of {len(rates)} runs ({min(rates):.0f}-{max(rates):.0f} tok/s)"
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import transformers
@@ -37,7 +37,7 @@ from benchmarks.ceiling import Ceiling, ceiling, measure_gemm_peak
 from benchmarks.engine_run import EngineRun, engine_config, run_offline
 from benchmarks.floors import measure_floors
 from benchmarks.online import serve_poisson
-from benchmarks.results import Floors, OnlineResult, SystemResult
+from benchmarks.results import Floors, OnlineResult, SystemResult, median, spread_note
 from benchmarks.workload import DEFAULT_CACHE, MODELS, BenchRequest, checkpoint, output_tokens, vocab_size, workload
 
 
@@ -139,20 +139,11 @@ def run_hf(path: Path, reqs: list[BenchRequest], args: argparse.Namespace) -> li
     return systems
 
 
-T = TypeVar("T")
-
-
-def median(runs: list[T], key: Callable[[T], float]) -> T:
-    """The run in the middle by ``key`` (the slower of the middle two for an even count)."""
-    return sorted(runs, key=key)[len(runs) // 2]
-
-
 def with_spread(chosen: SystemResult, runs: list[SystemResult]) -> SystemResult:
     """``chosen`` with a note of how its repeats spread, when there were several."""
-    rates = [r.tokens_per_s for r in runs if r.tokens_per_s is not None]
-    if len(rates) < 2:
+    spread = spread_note([r.tokens_per_s for r in runs if r.tokens_per_s is not None])
+    if spread is None:
         return chosen
-    spread = f"median of {len(rates)} runs ({min(rates):.0f}-{max(rates):.0f} tok/s)"
     return dataclasses.replace(chosen, note="; ".join(n for n in (chosen.note, spread) if n))
 
 

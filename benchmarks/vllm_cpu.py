@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from benchmarks.ceiling import ModelShape
-from benchmarks.results import SystemResult
+from benchmarks.results import SystemResult, median, spread_note
 from benchmarks.workload import BenchRequest
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
@@ -291,14 +291,12 @@ class VllmRun:
         """The median run (by seconds) as a row of the systems table."""
         if not self.runs:
             return SystemResult(self.name, None, None, f"not available: {self.error}", startup_seconds=None)
-        ordered = sorted(self.runs, key=lambda r: r["seconds"])
-        chosen = ordered[len(ordered) // 2]
-        rates = [r["tokens_per_s"] for r in self.runs]
+        chosen = median(self.runs, lambda r: r["seconds"])
         notes = [self.preloads.describe() if "LD_PRELOAD" in self.env else "no preloads"]
         if short := chosen["short"]:
             notes.append(f"{short} requests got a different token count")
-        if len(rates) > 1:
-            notes.append(f"median of {len(rates)} runs ({min(rates):.0f}-{max(rates):.0f} tok/s)")
+        if spread := spread_note([r["tokens_per_s"] for r in self.runs]):
+            notes.append(spread)
         if self.error:
             notes.append(self.error)
         return SystemResult(
