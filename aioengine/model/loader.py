@@ -213,7 +213,7 @@ class WeightPlan:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(shape)}, the model expects {tuple(expected)}")
         if not _castable(dtype, dst.dtype):
             raise CheckpointError(f"tensor {name!r} has dtype {dtype}, which cannot be cast safely to {dst.dtype}")
-        self.filled[target.param].add((target.offset, dst.shape[0] if dst.dim() else 1))
+        self.filled[target.param].add((target.offset, _rows(dst)))
         return target
 
     def destination(self, target: WeightTarget) -> torch.Tensor:
@@ -227,11 +227,9 @@ class WeightPlan:
     def written(self, target: WeightTarget) -> None:
         """Records that ``target``'s piece was copied; once every row of its parameter has been, tells the
         model (``weight_written``: derived copies are rebuilt while the weight is in cache)."""
-        param = self.params[target.param]
-        rows = self._piece(target).shape[0] if param.dim() else 1
-        done = self._rows_written.get(target.param, 0) + rows
+        done = self._rows_written.get(target.param, 0) + _rows(self._piece(target))
         self._rows_written[target.param] = done
-        if done == (param.shape[0] if param.dim() else 1):
+        if done == _rows(self.params[target.param]):
             self.model.weight_written(target.param)
 
     def _piece(self, target: WeightTarget) -> torch.Tensor:
@@ -245,13 +243,14 @@ class WeightPlan:
         if self.partial:
             return
         # A set of pieces, not a running count: a tensor repeated in two shards cannot hide a missing one.
-        missing = [
-            n
-            for n, pieces in self.filled.items()
-            if sum(rows for _, rows in pieces) < max(self.params[n].shape[0:1] or (1,))
-        ]
+        missing = [n for n, pieces in self.filled.items() if sum(rows for _, rows in pieces) < _rows(self.params[n])]
         if missing:
             raise CheckpointError(f"checkpoint is missing tensors for: {', '.join(_hf_names(n) for n in missing[:8])}")
+
+
+def _rows(tensor: torch.Tensor) -> int:
+    """Rows of a parameter or of its piece (a scalar counts as one): what a checkpoint tensor fills."""
+    return tensor.shape[0] if tensor.dim() else 1
 
 
 def _castable(src: torch.dtype, dst: torch.dtype) -> bool:

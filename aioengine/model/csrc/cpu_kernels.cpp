@@ -91,7 +91,6 @@ void block_scores(const float* q, const float* k, int64_t stride, int64_t n, int
 // acc = acc * c + sum over t < n of p[t] * v_t, value t at v + t * stride; acc stays in registers.
 template <int64_t kD>
 void block_values(float* acc, float c, const float* p, const float* v, int64_t stride, int64_t n, int64_t D) {
-  if (kD) D = kD;
   if (kD) {
     vec8 a[kD / 8];
     for (int64_t i = 0; i < kD / 8; ++i) a[i] = load8(acc + 8 * i) * c;
