@@ -7,7 +7,6 @@ import os
 import pickle
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,8 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aioengine.errors import CheckpointError, UnsupportedModelError
-from aioengine.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
-from aioengine.model.loader import load_hf_config, load_model, resolve_dtype, resolve_max_model_len
+from aioengine.model.hf_config import SUPPORTED_ARCHITECTURES, CheckpointConfig, load_hf_config
+from aioengine.model.llama import LlamaForCausalLM
+from aioengine.model.loader import load_model, resolve_dtype, resolve_max_model_len
 from aioengine.testing import build_checkpoint
 
 
@@ -219,20 +219,31 @@ def test_qwen2_tied_embeddings_share_storage(qwen2_ckpt: Path) -> None:
 # --- max_model_len -----------------------------------------------------------------------------
 # Sliding-window attention is not implemented: within the window it equals full attention, so a
 # model that slides is served up to its window, never beyond.
-def test_a_sliding_window_smaller_than_the_positions_caps_max_model_len_to_the_window() -> None:
-    config = SimpleNamespace(max_position_embeddings=4096, sliding_window=1024, use_sliding_window=True)
+def config_json(tmp_path: Path, model_type: str, **fields: Any) -> CheckpointConfig:
+    """``config.json`` with ``fields`` (the rest left to the class defaults), read as the engine reads it."""
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type, **fields}))
+    return load_hf_config(tmp_path)
+
+
+def test_a_sliding_window_smaller_than_the_positions_caps_max_model_len_to_the_window(tmp_path: Path) -> None:
+    config = config_json(tmp_path, "qwen2", max_position_embeddings=4096, sliding_window=1024, use_sliding_window=True)
     assert resolve_max_model_len(config, None) == 1024
     assert resolve_max_model_len(config, 2048) == 1024  # a requested length beyond the window too
     assert resolve_max_model_len(config, 512) == 512  # within the window: as requested
 
 
-def test_a_sliding_window_caps_max_model_len_in_a_config_without_use_sliding_window() -> None:
-    from transformers import MistralConfig  # Mistral configs have sliding_window only: it is on
+def test_a_sliding_window_caps_max_model_len_in_a_config_without_use_sliding_window(tmp_path: Path) -> None:
+    # Mistral configs have sliding_window only: it is on
+    assert (
+        resolve_max_model_len(config_json(tmp_path, "mistral", max_position_embeddings=4096, sliding_window=256), None)
+        == 256
+    )
 
-    assert resolve_max_model_len(MistralConfig(max_position_embeddings=4096, sliding_window=256), None) == 256
 
-
-def test_a_sliding_window_that_is_switched_off_does_not_cap_max_model_len() -> None:
-    config = SimpleNamespace(max_position_embeddings=4096, sliding_window=1024, use_sliding_window=False)
+def test_a_sliding_window_that_is_switched_off_does_not_cap_max_model_len(tmp_path: Path) -> None:
+    config = config_json(tmp_path, "qwen2", max_position_embeddings=4096, sliding_window=1024, use_sliding_window=False)
     assert resolve_max_model_len(config, None) == 4096
-    assert resolve_max_model_len(SimpleNamespace(max_position_embeddings=4096, sliding_window=None), None) == 4096
+    assert resolve_max_model_len(config_json(tmp_path, "llama", max_position_embeddings=4096), None) == 4096
+    config = config_json(tmp_path, "mistral", max_position_embeddings=4096, sliding_window=None)
+    assert resolve_max_model_len(config, None) == 4096

@@ -208,7 +208,9 @@ def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float
             f"rope type {rope_type!r} is not supported; supported: default, "
             + ", ".join(sorted(k for k in ROPE_INIT_FUNCTIONS if k != "dynamic"))
         )
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    # transformers' functions read its own config object (ours is loaded on demand, only here)
+    hf = hf_config.transformers_config() if hasattr(hf_config, "transformers_config") else hf_config
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
     return inv_freq.float(), float(scaling)
 
 

@@ -273,6 +273,3 @@ def build_model(cfg: Any, max_positions: int, tp: TensorParallel = SINGLE) -> Ll
         qk_norm=arch == "Qwen3ForCausalLM",
         tp=tp,
     )
-
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")

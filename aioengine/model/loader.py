@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from aioengine.errors import CheckpointError, UnsupportedModelError
-from aioengine.model.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, Shard, WeightTarget, build_model
+from aioengine.errors import CheckpointError
+from aioengine.model.hf_config import CheckpointConfig
+from aioengine.model.llama import LlamaForCausalLM, Shard, WeightTarget, build_model
 from aioengine.model.parallel import SINGLE, TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -23,45 +24,25 @@ TensorSpec = tuple[str, tuple[int, ...], torch.dtype]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def load_hf_config(path: str | Path) -> Any:
-    """Reads ``config.json`` with transformers and refuses architectures we do not implement."""
-    from transformers import AutoConfig
-
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path} is not an HF checkpoint directory: config.json is missing")
-    cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    archs = getattr(cfg, "architectures", None) or []
-    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"architecture {archs[0] if archs else None!r} in {path / 'config.json'} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return cfg
-
-
-def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, hf_config: CheckpointConfig, device: torch.device) -> torch.dtype:
     """``auto`` is float32 on CPU (much faster there than bf16) and the checkpoint's dtype elsewhere."""
     if dtype != "auto":
         return _DTYPES[dtype]
     if device.type == "cpu":
         return torch.float32
-    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(ckpt, str):
-        ckpt = _DTYPES.get(ckpt)
-    return ckpt if isinstance(ckpt, torch.dtype) and ckpt in _DTYPES.values() else torch.float32
+    return _DTYPES.get(hf_config.dtype or "", torch.float32)
 
 
-def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
+def resolve_max_model_len(hf_config: CheckpointConfig, requested: int | None) -> int:
     """The longest sequence (prompt + output) the engine will accept."""
-    limit = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+    limit = hf_config.max_position_embeddings
     if requested is not None and requested > limit:
         raise CheckpointError(
             f"model.max_model_len={requested} exceeds the checkpoint's max_position_embeddings={limit}"
         )
     length = requested or limit
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and length > window:
+    window = hf_config.sliding_window
+    if window and length > window:
         # Within the window full attention equals sliding attention, so capping keeps outputs exact.
         logger.warning("sliding-window attention is not implemented; max_model_len capped to %d", window)
         length = int(window)
@@ -268,7 +249,7 @@ def _hf_names(param: str) -> str:
 
 def load_model(
     path: str | Path,
-    hf_config: Any,
+    hf_config: CheckpointConfig,
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,

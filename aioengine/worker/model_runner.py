@@ -27,14 +27,10 @@ from aioengine.messages import (
 )
 from aioengine.model import cpu_kernels
 from aioengine.model.attention import AttentionMetadata, PrefillChunk, split_decode_rows
+from aioengine.model.hf_config import CheckpointConfig, load_hf_config
 from aioengine.model.layers import cpu_prepack_supported, drop_packed_weights, set_weight_prepack, use_cpu_kernels
-from aioengine.model.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of, tp_heads
-from aioengine.model.loader import (
-    load_hf_config,
-    load_model,
-    resolve_dtype,
-    resolve_max_model_len,
-)
+from aioengine.model.llama import LlamaForCausalLM, tp_heads
+from aioengine.model.loader import load_model, resolve_dtype, resolve_max_model_len
 from aioengine.model.parallel import SINGLE, TensorParallel
 from aioengine.sampling.sampler import Sampler, SamplingMetadata, gather_logprobs
 from aioengine.worker.cache_engine import CacheEngine
@@ -70,7 +66,7 @@ class ModelRunner:
         self.bytes_loaded = 0
         """Bytes of checkpoint tensor data the last ``load_model`` read (this rank's slices only)."""
         self.model: LlamaForCausalLM | None = None
-        self.hf_config: Any = None
+        self.hf_config: CheckpointConfig | None = None
         self.dtype: torch.dtype = torch.float32
         self.max_model_len = 0
         self.eos_token_ids: list[int] = []
@@ -90,29 +86,28 @@ class ModelRunner:
 
     # ---- set-up ------------------------------------------------------------------------------------
     def load_model(self, path: str) -> None:
-        self.hf_config = load_hf_config(path)
-        self.dtype = resolve_dtype(self.config.model.dtype, self.hf_config, self.device)
-        self.max_model_len = resolve_max_model_len(self.hf_config, self.config.model.max_model_len)
-        eos = getattr(self.hf_config, "eos_token_id", None)
+        self.hf_config = cfg = load_hf_config(path)
+        self.dtype = resolve_dtype(self.config.model.dtype, cfg, self.device)
+        self.max_model_len = resolve_max_model_len(cfg, self.config.model.max_model_len)
+        eos = cfg.eos_token_id
         self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         start = time.perf_counter()
         self.model, self.bytes_loaded = load_model(
             path,
-            self.hf_config,
+            cfg,
             self.dtype,
             self.device,
             self.max_model_len,
             strict=self.config.load.strict,
             tp=self.tp,
         )
-        cfg = self.hf_config
         self.kv_heads = tp_heads(cfg, self.tp)[1]
         self.info = ModelInfo(
             model_path=str(path),
             architecture=cfg.architectures[0],
             num_layers=cfg.num_hidden_layers,
-            num_kv_heads=num_kv_heads_of(cfg),
-            head_size=head_dim_of(cfg),
+            num_kv_heads=cfg.num_key_value_heads,
+            head_size=cfg.head_dim,
             vocab_size=cfg.vocab_size,
             max_model_len=self.max_model_len,
             dtype=str(self.dtype).removeprefix("torch."),
