@@ -49,6 +49,7 @@ CONFIG_ENV_VAR = "AIOENGINE_CONFIG"
 """Environment variable naming the TOML file when ``from_toml`` is not used."""
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+TokenizerMode = Literal["auto", "hf"]
 PreemptionMode = Literal["recompute", "swap"]
 """A request preempted when KV blocks run out: its blocks freed and computed again on resume, or copied
 to the host pool and back."""
@@ -90,6 +91,14 @@ class ModelConfig(_Section):
         ),
     )
     tokenizer: str | None = Field(None, description="Tokenizer directory. None uses the checkpoint directory (`path`).")
+    tokenizer_mode: TokenizerMode = Field(
+        "auto",
+        description=(
+            "'auto': aioengine's own tokenizer on the `tokenizers` library (no transformers import at start-up) when "
+            "the directory has a tokenizer.json and nothing it does not reproduce, else transformers' AutoTokenizer; "
+            "'hf': always AutoTokenizer."
+        ),
+    )
     dtype: DType = Field(
         "auto",
         description="Weight and activation dtype. 'auto' is float32 on CPU, the checkpoint's dtype on CUDA.",

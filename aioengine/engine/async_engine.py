@@ -108,7 +108,7 @@ class AsyncEngine:
         info: ModelInfo = await rpc("get_model_info", unique_reply_rank=0)
         # After load_model, not beside it: transformers' lazy imports race when two threads import at once.
         tokenizer_task = asyncio.create_task(
-            asyncio.to_thread(intake.load_tokenizer, cfg.model.tokenizer or info.model_path)
+            asyncio.to_thread(intake.load_tokenizer, cfg.model.tokenizer or info.model_path, cfg.model.tokenizer_mode)
         )
         block_bytes = await rpc("get_cache_block_size_bytes", unique_reply_rank=0)
         available = min(await rpc("determine_available_memory"))

@@ -10,6 +10,8 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from aioengine.config import TokenizerMode
+from aioengine.engine import tokenizer as tokenization
 from aioengine.errors import InvalidRequestError, RequestTooLargeError
 from aioengine.messages import ModelInfo
 from aioengine.sampling.params import SamplingParams
@@ -215,10 +217,9 @@ def apply_chat_template(tokenizer: Any, messages: ChatMessages, request_id: str 
     return [int(t) for t in ids]
 
 
-def load_tokenizer(path: str) -> tuple[Any, int]:
-    """The checkpoint's tokenizer and the UTF-8 length of its longest token."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+def load_tokenizer(path: str, mode: TokenizerMode = "auto") -> tuple[Any, int]:
+    """The checkpoint's tokenizer (``aioengine.engine.tokenizer.load``: the native one where it can be) and the
+    UTF-8 length of its longest token."""
+    tokenizer = tokenization.load(path, mode)
     longest = max((len(token.encode()) for token in tokenizer.get_vocab()), default=1)
     return tokenizer, max(longest, 1)
