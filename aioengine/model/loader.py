@@ -262,8 +262,10 @@ def load_model(
     and the bytes of tensor data read."""
     with torch.device("meta"):
         model = build_model(hf_config, max_positions, tp)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    if model.tie_word_embeddings:  # to_empty may hand the tied pair separate storages
+    # What .to(dtype).to_empty(device) does, with torch.empty: empty_like of a meta tensor runs torch's
+    # Python reference implementation, whose first use imports sympy (about 1 s of every start-up).
+    model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
+    if model.tie_word_embeddings:  # materialising hands the tied pair separate storages
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.reset_buffers(device)
     files = checkpoint_files(path)
