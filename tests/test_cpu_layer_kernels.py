@@ -1,6 +1,6 @@
-"""Specification of the fused elementwise CPU kernels (``rms_norm``, ``rotary_inplace``, ``silu_and_mul``)
-and of the layers that use them: each equals the torch path it replaces, which stays for what the
-kernels do not cover.
+"""Specification of the fused elementwise CPU kernels (``rms_norm``, ``add_rms_norm``, ``rotary_inplace``,
+``silu_and_mul``) and of the layers that use them: each equals the torch path it replaces, which stays for
+what the kernels do not cover.
 """
 
 from __future__ import annotations
@@ -39,6 +39,33 @@ def test_rms_norm_of_a_strided_view_reads_the_view(kernel: ModuleType) -> None:
     qkv = torch.randn(7, 3, 128)
     fused, plain = with_and_without(kernel, norm, qkv[:, :, :64])
     torch.testing.assert_close(fused, plain, **TOL)
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (3, 5, 256), (1, 256)])
+def test_add_and_norm_adds_into_the_residual_and_equals_the_torch_path(
+    kernel: ModuleType, shape: tuple[int, ...]
+) -> None:
+    norm = RMSNorm(256, 1e-6)
+    norm.weight.data = torch.randn(256)
+    x, residual = torch.randn(*shape), torch.randn(*shape) * 3
+    results = []
+    for kernels in (kernel, None):
+        use_cpu_kernels(norm, kernels)
+        stream = residual.clone()
+        results.append((norm.add_and_norm(x, stream), stream))
+    (fused, fused_stream), (plain, plain_stream) = results
+    torch.testing.assert_close(fused_stream, residual + x, atol=0, rtol=0)  # the add is exact, as HF's
+    torch.testing.assert_close(plain_stream, residual + x, atol=0, rtol=0)
+    torch.testing.assert_close(fused, plain, **TOL)
+    torch.testing.assert_close(plain, norm(residual + x), atol=0, rtol=0)
+
+
+def test_add_and_norm_takes_a_strided_input(kernel: ModuleType) -> None:
+    norm = RMSNorm(64, 1e-6)
+    use_cpu_kernels(norm, kernel)
+    wide, residual = torch.randn(7, 128), torch.randn(7, 64)
+    out = norm.add_and_norm(wide[:, :64], residual.clone())
+    torch.testing.assert_close(out, norm(residual + wide[:, :64]), **TOL)
 
 
 def rotary(head_dim: int = 64, partial: float = 1.0) -> RotaryEmbedding:

@@ -1,9 +1,11 @@
 """aioengine's C++ kernels for CPU, built on first use with torch's extension builder and cached.
 
-``csrc/cpu_kernels.cpp`` holds two: paged decode attention, which reads K and V in place through the
+``csrc/cpu_kernels.cpp`` holds paged decode attention, which reads K and V in place through the
 block tables instead of gathering the context into a copy first (what makes decode attention cheap
-on CPU), and ``argmax_rows`` for greedy sampling. The plain torch paths (``attention.py``,
-``torch.argmax``) stay as the fallback and the reference they are tested against.
+on CPU), ``argmax_rows`` for greedy sampling, and the fused elementwise layers: ``rms_norm``,
+``add_rms_norm`` (the residual add and the norm after it in one pass), ``rotary_inplace`` and
+``silu_and_mul``. The plain torch paths (``attention.py``, ``torch.argmax``, the layers' own torch
+code) stay as the fallback and the reference they are tested against.
 
 The build needs a C++ compiler and ninja; it takes about half a minute once, then loads from torch's
 extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) in milliseconds.

@@ -179,6 +179,18 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Adds ``x`` into ``residual`` in place (the decoder's residual stream) and returns its norm: one
+        pass on CPU (``add_rms_norm``), the same numbers as HF's ``residual + x`` followed by the norm."""
+        if (
+            _fits_kernels(self.kernels, x)
+            and self.weight.dtype == torch.float32
+            and residual.dtype == torch.float32
+            and residual.is_contiguous()
+        ):
+            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        return self(residual.add_(x))
+
 
 def _rope_parameters(hf_config: Any) -> dict[str, Any]:
     """Rope settings across transformers 4.x (``rope_scaling``/``rope_theta``) and 5.x (``rope_parameters``)."""

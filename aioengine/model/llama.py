@@ -105,10 +105,23 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the previous layer's MLP output, not yet added into ``residual`` (the residual stream,
+        updated in place); for the first layer the embeddings, with ``residual`` None. Each add is fused
+        into the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, positions, kv_cache, meta)
+        h = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -187,10 +200,12 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Runs every token of the step; returns logits only for ``logits_indices`` ([S, V], float32)."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, kv_cache, meta)
-        x = self.model.norm(x[logits_indices])  # norm is per token: skip rows that do not sample
+            x, residual = layer(x, residual, positions, kv_cache, meta)
+        assert residual is not None
+        # the last add and the norm are per token: only the rows that sample
+        x = self.model.norm.add_and_norm(x[logits_indices], residual[logits_indices])
         return self.tp.all_gather(self.lm_head(x).float())
 
     # ---- weight names -------------------------------------------------------------------------------

@@ -256,6 +256,41 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// The residual add fused into the RMSNorm after it: residual += x (in place), returns rms_norm(residual).
+// One pass over both instead of an add that writes a new tensor and a norm that reads it back.
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && residual.scalar_type() == at::kFloat &&
+                  weight.scalar_type() == at::kFloat,
+              "add_rms_norm: float32 only");
+  const int64_t D = weight.numel();
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.size(-1) == D && weight.is_contiguous() && residual.is_contiguous(),
+              "add_rms_norm: x and residual must have the same shape, last dim matching weight, residual contiguous");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t rows = xc.numel() / D;
+  const float* xp = xc.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * D;
+      float* rr = rp + r * D;
+      float* orow = op + r * D;
+      float ss = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float h = rr[d] + xr[d];
+        rr[d] = h;
+        ss += h * h;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + feps);
+      for (int64_t d = 0; d < D; ++d) orow[d] = wp[d] * (rr[d] * inv);
+    }
+  });
+  return out;
+}
+
 // Rotate-half rotary embedding in place on q [T, Hq, D] and k [T, Hk, D] (last dim contiguous, any
 // token/head strides: they may be views into the fused qkv output), from cos/sin tables [P, D].
 void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
@@ -344,6 +379,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release_gil());
   m.def("argmax_rows", &argmax_rows, "First index of each row's maximum (CPU, float32)", release_gil());
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU, float32)", release_gil());
+  m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of residual (CPU, float32)",
+        release_gil());
   m.def("rotary_inplace", &rotary_inplace, "Rotate-half rotary embedding of q and k, in place (CPU, float32)",
         release_gil());
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)", release_gil());
