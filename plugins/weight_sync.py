@@ -24,6 +24,7 @@ The trainer side needs only :func:`trainer_group`, :func:`weight_metadata` and
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -114,6 +115,7 @@ class WeightSyncExtension:
     def __init__(self) -> None:
         super().__init__()
         self._weight_sync_group: tuple[dist.Store, Any, str] | None = None
+        self._weight_sync_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def load_weights_from_tensors(
         self, named_tensors: NamedTensors, partial: bool = True, allow_non_finite: bool = False
@@ -180,12 +182,23 @@ class WeightSyncExtension:
         _, group, backend = state
         specs = [(name, _dtype(dtype), tuple(int(d) for d in shape)) for name, dtype, shape in metadata]
         on = self.device if backend == "nccl" else torch.device("cpu")  # type: ignore[attr-defined]
+        buffers = self._receive_buffers(on, max((math.prod(s) * d.itemsize for _, d, s in specs), default=0))
 
         def received() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, dtype, shape in specs:
-                buf = torch.empty(shape, dtype=dtype, device=on)
-                group.broadcast(buf, src).wait()
-                yield name, buf
+            # Tensor i + 1 is received (by the backend's own threads or stream) while the write checks
+            # and copies tensor i, into the other of two buffers: the write takes each tensor before
+            # it asks for the next, so a buffer is free again by the time tensor i + 2 reuses it.
+            pending: tuple[str, torch.Tensor, Any] | None = None
+            for i, (name, dtype, shape) in enumerate(specs):
+                buf = buffers[i % 2][: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                work = group.broadcast(buf, src)
+                if pending is not None:
+                    pending[2].wait()
+                    yield pending[0], pending[1]
+                pending = (name, buf, work)
+            if pending is not None:
+                pending[2].wait()
+                yield pending[0], pending[1]
 
         incoming = received()  # one stream: what a failed write left unread is drained from it below
         source = SourceView(
@@ -202,8 +215,23 @@ class WeightSyncExtension:
                 raise
             raise _refused(exc, partial) from exc
 
+    def _receive_buffers(self, device: torch.device, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two byte buffers of at least ``nbytes`` for ``receive_weights``. On CPU they are kept for the next
+        push (fresh host memory costs a page fault per 4 KiB the first time it is written: about 0.5 s for
+        0.5 GB here, every push); on CUDA the caching allocator keeps the memory anyway, so none is held."""
+        kept = self._weight_sync_buffers
+        if kept is not None and kept[0].device == device and kept[0].numel() >= nbytes:
+            return kept
+        pair = (
+            torch.empty(nbytes, dtype=torch.uint8, device=device),
+            torch.empty(nbytes, dtype=torch.uint8, device=device),
+        )
+        self._weight_sync_buffers = pair if device.type == "cpu" else None
+        return pair
+
     def close_weight_update_group(self) -> None:
         """Leaves the group and drops its store connection; safe to call when none is open."""
+        self._weight_sync_buffers = None
         state, self._weight_sync_group = self._weight_sync_group, None
         if state is not None and hasattr(state[1], "shutdown"):
             # Both sides pass a barrier first: a peer that tears its sockets down while the other is

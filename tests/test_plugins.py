@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from aioengine import AsyncEngine, SamplingParams
-from aioengine.errors import CheckpointError
+from aioengine.errors import CheckpointError, WeightsLostError
 from aioengine.model.loader import checkpoint_files, iter_safetensors
 from aioengine.testing import build_checkpoint
 from plugins.inspect import InspectExtension, tensor_checksum
@@ -337,4 +337,48 @@ async def test_a_rejected_broadcast_changes_nothing_and_keeps_the_group_in_step(
             await asyncio.to_thread(thread.join, TIMEOUT)
     assert not errors and not thread.is_alive()
     assert unchanged
+    assert outputs == outputs_b
+
+
+async def test_a_broadcast_that_breaks_midway_discards_the_weights_and_the_next_push_restores_them(
+    llama_ckpt: Path, ckpt_b: Path, outputs_b: list[list[int]], make_engine: Callable[..., AsyncEngine]
+) -> None:
+    # A NaN found after the first write: the weights are lost, the rest of the broadcast is still taken (the
+    # receive runs one tensor ahead of the write, so this also checks that nothing is left half received),
+    # and a full push afterwards serves again.
+    good = hf_tensors(ckpt_b)
+    middle = len(good) // 2
+    bad = [(n, torch.full_like(t, float("nan")) if i == middle else t) for i, (n, t) in enumerate(good)]
+    port = free_port()
+    release = threading.Event()
+    errors: list[BaseException] = []
+
+    def trainer() -> None:
+        try:
+            store, group = trainer_group(port, world_size=2, timeout=timedelta(seconds=30))
+            try:
+                broadcast_weights(group, bad)
+                broadcast_weights(group, good)
+                release.wait(TIMEOUT)
+                group.barrier().wait()
+            finally:
+                group.shutdown()
+                del store
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=trainer, daemon=True)
+    async with make_engine(llama_ckpt, **with_extension(WeightSyncExtension)) as engine:
+        thread.start()
+        try:
+            await rpc(engine, "init_weight_update_group", "127.0.0.1", port, 1, 2, timeout_s=30.0)
+            with pytest.raises(WeightsLostError, match=re.escape(bad[middle][0])):
+                await rpc(engine, "receive_weights", weight_metadata(bad), partial=False)
+            await rpc(engine, "receive_weights", weight_metadata(good), partial=False)
+            outputs = await greedy_outputs(engine)
+        finally:
+            release.set()
+            await rpc(engine, "close_weight_update_group")
+            await asyncio.to_thread(thread.join, TIMEOUT)
+    assert not errors and not thread.is_alive()
     assert outputs == outputs_b
