@@ -296,6 +296,29 @@ async def test_weights_broadcast_by_a_trainer_process_give_the_outputs_of_an_eng
     assert outputs == outputs_b
 
 
+def trainer_thread(
+    port: int, batches: list[Any], release: threading.Event, errors: list[BaseException]
+) -> threading.Thread:
+    """A trainer in a thread (enough: the group is private, nothing global is touched): hosts the group,
+    broadcasts each batch in turn, then waits for ``release`` and passes the closing barrier."""
+
+    def run() -> None:
+        try:
+            store, group = trainer_group(port, world_size=2, timeout=timedelta(seconds=30))
+            try:
+                for batch in batches:
+                    broadcast_weights(group, batch)
+                release.wait(TIMEOUT)
+                group.barrier().wait()  # matched by close_weight_update_group on the engine side
+            finally:
+                group.shutdown()
+                del store
+        except BaseException as exc:
+            errors.append(exc)
+
+    return threading.Thread(target=run, daemon=True)
+
+
 async def test_a_rejected_broadcast_changes_nothing_and_keeps_the_group_in_step(
     llama_ckpt: Path, ckpt_b: Path, outputs_b: list[list[int]], make_engine: Callable[..., AsyncEngine]
 ) -> None:
@@ -305,22 +328,7 @@ async def test_a_rejected_broadcast_changes_nothing_and_keeps_the_group_in_step(
     port = free_port()
     release = threading.Event()
     errors: list[BaseException] = []
-
-    def trainer() -> None:  # a thread is enough: the group is private, nothing global is touched
-        try:
-            store, group = trainer_group(port, world_size=2, timeout=timedelta(seconds=30))
-            try:
-                broadcast_weights(group, bad)
-                broadcast_weights(group, good)
-                release.wait(TIMEOUT)
-                group.barrier().wait()  # matched by close_weight_update_group on the engine side
-            finally:
-                group.shutdown()
-                del store
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=trainer, daemon=True)
+    thread = trainer_thread(port, [bad, good], release, errors)
     async with make_engine(llama_ckpt, **with_extension(Both)) as engine:
         before = await rpc(engine, "weight_checksums")
         thread.start()
@@ -352,22 +360,7 @@ async def test_a_broadcast_that_breaks_midway_discards_the_weights_and_the_next_
     port = free_port()
     release = threading.Event()
     errors: list[BaseException] = []
-
-    def trainer() -> None:
-        try:
-            store, group = trainer_group(port, world_size=2, timeout=timedelta(seconds=30))
-            try:
-                broadcast_weights(group, bad)
-                broadcast_weights(group, good)
-                release.wait(TIMEOUT)
-                group.barrier().wait()
-            finally:
-                group.shutdown()
-                del store
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=trainer, daemon=True)
+    thread = trainer_thread(port, [bad, good], release, errors)
     async with make_engine(llama_ckpt, **with_extension(WeightSyncExtension)) as engine:
         thread.start()
         try:

@@ -38,6 +38,17 @@ _COMMON: dict[str, Any] = {
     "use_sliding_window": True,  # Mistral has no switch: its window is on whenever set
     "eos_token_id": None,
 }
+_QWEN2: dict[str, Any] = _COMMON | {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 22016,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 32768,
+    "sliding_window": 4096,
+    "use_sliding_window": False,
+}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": _COMMON
     | {
@@ -62,31 +73,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "sliding_window": 4096,
         "eos_token_id": 2,
     },
-    "qwen2": _COMMON
-    | {
-        "vocab_size": 151936,
-        "hidden_size": 4096,
-        "intermediate_size": 22016,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "max_position_embeddings": 32768,
-        "sliding_window": 4096,
-        "use_sliding_window": False,
-    },
-    "qwen3": _COMMON
-    | {
-        "vocab_size": 151936,
-        "hidden_size": 4096,
-        "intermediate_size": 22016,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "head_dim": 128,
-        "max_position_embeddings": 32768,
-        "sliding_window": 4096,
-        "use_sliding_window": False,
-    },
+    "qwen2": _QWEN2,
+    "qwen3": _QWEN2 | {"head_dim": 128},
 }
 _INTS = (
     "vocab_size",

@@ -231,7 +231,14 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-// RMSNorm over the last dim, as HF computes it in float32: x * rsqrt(mean(x^2) + eps) * weight.
+// One row of RMSNorm, as HF computes it in float32: out = weight * (h * rsqrt(mean(h^2) + eps)), given
+// ss = sum(h^2).
+inline void write_normed(const float* h, const float* w, float* out, int64_t D, float ss, float eps) {
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+  for (int64_t d = 0; d < D; ++d) out[d] = w[d] * (h[d] * inv);
+}
+
+// RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: float32 only");
   const int64_t D = weight.numel();
@@ -246,11 +253,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = xp + r * D;
-      float* orow = op + r * D;
       float ss = 0.f;
       for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + feps);
-      for (int64_t d = 0; d < D; ++d) orow[d] = wp[d] * (xr[d] * inv);
+      write_normed(xr, wp, op + r * D, D, ss, feps);
     }
   });
   return out;
@@ -277,15 +282,13 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = xp + r * D;
       float* rr = rp + r * D;
-      float* orow = op + r * D;
       float ss = 0.f;
       for (int64_t d = 0; d < D; ++d) {
         const float h = rr[d] + xr[d];
         rr[d] = h;
         ss += h * h;
       }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + feps);
-      for (int64_t d = 0; d < D; ++d) orow[d] = wp[d] * (rr[d] * inv);
+      write_normed(rr, wp, op + r * D, D, ss, feps);
     }
   });
   return out;
