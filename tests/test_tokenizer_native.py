@@ -266,6 +266,8 @@ def test_encoding_matches_autotokenizer(pair: tuple[NativeTokenizer, PreTrainedT
                 hf(text, add_special_tokens=add_special_tokens).input_ids
             ), (text, add_special_tokens)
         assert native(text)["input_ids"] == hf(text)["input_ids"]
+        assert native.encode(text) == hf.encode(text)
+        assert native.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
 
 
 def test_decoding_matches_autotokenizer(pair: tuple[NativeTokenizer, PreTrainedTokenizerBase]) -> None:
@@ -277,6 +279,13 @@ def test_decoding_matches_autotokenizer(pair: tuple[NativeTokenizer, PreTrainedT
         for skip in (True, False):
             assert native.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), (ids, skip)
     assert native.decode(5) == hf.decode(5)
+    assert native.batch_decode(encoded, skip_special_tokens=True) == hf.batch_decode(encoded, skip_special_tokens=True)
+    for ids in sampled[:10]:
+        tokens = native.convert_ids_to_tokens(ids)
+        assert tokens == hf.convert_ids_to_tokens(ids)
+        assert native.convert_tokens_to_ids(tokens) == hf.convert_tokens_to_ids(tokens)
+    assert native.convert_ids_to_tokens(3) == hf.convert_ids_to_tokens(3)
+    assert native.convert_tokens_to_ids("not-a-token-anywhere") == hf.convert_tokens_to_ids("not-a-token-anywhere")
     assert native.clean_up_tokenization_spaces == hf.clean_up_tokenization_spaces
 
 
@@ -288,8 +297,10 @@ def test_vocabulary_and_special_tokens_match_autotokenizer(
     assert native.get_vocab() == hf.get_vocab()
     assert native.all_special_ids == hf.all_special_ids
     assert native.special_tokens_map == hf.special_tokens_map
-    ids = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "bos_token", "eos_token", "pad_token")
     assert {name: getattr(native, name) for name in ids} == {name: getattr(hf, name) for name in ids}
+    assert native.unk_token == hf.unk_token
+    assert native.vocab_size == hf.vocab_size
     assert native.model_max_length == hf.model_max_length
     assert native.backend_tokenizer.to_str() == hf.backend_tokenizer.to_str()
 

@@ -334,7 +334,9 @@ class Encoding(Mapping[str, list[int]]):
 
 
 class NativeTokenizer:
-    """The part of a transformers tokenizer that the engine, its server and its tests use, with the same results.
+    """The part of a transformers tokenizer that the engine, its server and its tests use, and the everyday
+    methods callers of ``engine.tokenizer`` reach for (``encode``, ``batch_decode``, the token / id
+    conversions, the special tokens and ``vocab_size``), with the same results.
 
     ``backend_tokenizer`` is the ``tokenizers.Tokenizer``; ``chat_template`` a string, or a dict of named
     templates, or None, as transformers has it."""
@@ -389,6 +391,27 @@ class NativeTokenizer:
     def unk_token_id(self) -> int | None:
         return self._token_id(self.special_tokens_map.get("unk_token"))
 
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens_map.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens_map.get("eos_token")
+
+    @property
+    def pad_token(self) -> str | None:
+        return self.special_tokens_map.get("pad_token")
+
+    @property
+    def unk_token(self) -> str | None:
+        return self.special_tokens_map.get("unk_token")
+
+    @property
+    def vocab_size(self) -> int:
+        """The base vocabulary, without added tokens (``len`` counts them), as in transformers."""
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=False)
+
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
@@ -397,6 +420,22 @@ class NativeTokenizer:
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
         return Encoding(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self(text, add_special_tokens=add_special_tokens).input_ids
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | list[int | None] | None:
+        if isinstance(tokens, str):
+            return self._token_id(tokens)
+        return [self._token_id(token) for token in tokens]
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str | None] | None:
+        if isinstance(ids, int):
+            return self.backend_tokenizer.id_to_token(ids)
+        return [self.backend_tokenizer.id_to_token(i) for i in ids]
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
 
     def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
