@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
-from aioengine.model.loader import checkpoint_files
+from aioengine.model.loader import checkpoint_files, iter_safetensors
 from aioengine.model.parallel import group_store, make_group
 from plugins.weight_sync import broadcast_weights, free_port, trainer_group
 
@@ -31,8 +30,8 @@ TIMEOUT = timedelta(seconds=120)
 
 
 def hf_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors in memory, HF names, in file order (``load_file`` maps lazily, so cloned)."""
-    return {name: t.clone() for f in checkpoint_files(path) for name, t in load_file(str(f)).items()}
+    """The checkpoint's tensors in memory, HF names, in file order (the reader maps the files lazily, so cloned)."""
+    return {name: t.clone() for name, t in iter_safetensors(checkpoint_files(path))}
 
 
 class Trainer:
