@@ -25,7 +25,7 @@ from aioengine import AsyncEngine
 from aioengine.messages import ScheduledRequest, SchedulerOutput
 from aioengine.model import cpu_kernels
 from aioengine.model.attention import _decode_rows, paged_attention
-from aioengine.model.layers import Linear, cpu_prepack_supported, set_weight_prepack
+from aioengine.model.layers import Linear, cpu_prepack_supported, row_block_layout, set_weight_prepack
 from aioengine.sampling.params import SamplingParams
 from aioengine.worker.model_runner import ModelRunner
 from aioengine.worker.weights import apply_weights, describe_source
@@ -225,19 +225,21 @@ def test_packed_linear_follows_a_swap_of_its_weight_storage(linear: Linear) -> N
     assert_runs_packed(linear, torch.randn(4, 64))
 
 
-def test_weights_changed_drops_every_packed_copy_and_the_next_forward_rebuilds_them(llama_ckpt: Path) -> None:
+def test_weights_changed_marks_every_packed_copy_stale_and_the_next_forward_rebuilds_them(llama_ckpt: Path) -> None:
     runner = ModelRunner(engine_config(llama_ckpt), torch.device("cpu"))
     runner.load_model(str(llama_ckpt))
     assert runner.model is not None
     layers = [m for m in runner.model.modules() if isinstance(m, Linear)]
-    assert layers and all(m._packed is not None for m in layers)
+    assert layers and all(m.packed_current() for m in layers)
     runner.model.weights_changed()
-    assert all(m._packed is None for m in layers)
+    assert not any(m.packed_current() for m in layers)
     runner.profile_run()  # one whole forward
-    assert all(m._packed is not None for m in layers)
+    assert all(m.packed_current() for m in layers)
 
 
-def test_a_weight_write_packs_each_layer_as_its_weight_is_completed(llama_ckpt: Path) -> None:
+def test_a_weight_write_packs_each_layer_in_place_as_its_weight_is_completed(
+    kernel: ModuleType, llama_ckpt: Path
+) -> None:
     runner = ModelRunner(engine_config(llama_ckpt), torch.device("cpu"))
     runner.load_model(str(llama_ckpt))
     assert runner.model is not None
@@ -248,12 +250,137 @@ def test_a_weight_write_packs_each_layer_as_its_weight_is_completed(llama_ckpt: 
         n: torch.randn(t.shape, generator=gen) * 0.02 for n, t in load_file(llama_ckpt / "model.safetensors").items()
     }
     apply_weights(runner.model, describe_source(source))
-    # Packed during the write (q, k and v fill one fused weight, gate and up another): nothing left to pack.
+    # Packed during the write (q, k and v fill one fused weight, gate and up another): nothing left to pack,
+    # and every copy was rewritten where it was (no fresh memory).
     assert all(m._packed is not None and m.packed_current() for m in layers)
-    assert not any(m._packed is old for m, old in zip(layers, old_copies, strict=True))
+    assert all(m._packed is old for m, old in zip(layers, old_copies, strict=True))
     assert runner.prepack_weights() == 0
     for layer in layers:
+        assert layer._packed is not None
+        assert torch.equal(layer._packed.to_dense(), layer.weight)
         assert_runs_packed(layer, torch.randn(3, layer.in_features, generator=gen))
+
+
+# ---- in-place repacking (pack_rows) ------------------------------------------------------------------
+def packed_linear(kernels: ModuleType | None, out_features: int, in_features: int, hint: int = 64) -> Linear:
+    layer = Linear(in_features, out_features, bias=False).requires_grad_(False)
+    layer.kernels = kernels
+    set_weight_prepack(layer, hint)
+    return layer
+
+
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "hint"),
+    [(960, 576, 64), (576, 1536, 64), (100, 37, 64), (7, 5, 64), (130, 24, 8), (64, 64, 1), (200, 72, 512)],
+)
+def test_a_stale_packed_copy_is_rewritten_in_place_exactly(
+    kernel: ModuleType, out_features: int, in_features: int, hint: int
+) -> None:
+    """Row counts and column counts off the block and tile sizes (padding in oneDNN's layout), and hints of
+    1, 8 and 512 rows: whatever layout oneDNN picks, the copy reads back as the weight, bit for bit."""
+    layer = packed_linear(kernel, out_features, in_features, hint)
+    old = layer._packed
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out_features, in_features))
+    if row_block_layout(kernel, out_features, in_features, hint) is None:
+        pytest.skip(f"oneDNN's layout for [{out_features}, {in_features}] at hint {hint} is not row blocks here")
+    assert layer.pack() == layer.weight.nbytes
+    assert layer._packed is old and layer.packed_current()
+    assert torch.equal(layer._packed.to_dense(), layer.weight)
+    x = torch.randn(5, in_features)
+    fresh = torch.ops.mkldnn._reorder_linear_weight(layer.weight, hint)
+    assert torch.equal(layer(x), torch.ops.mkldnn._linear_pointwise(x, fresh, None, "none", [], ""))
+
+
+def test_the_models_shapes_have_a_row_block_layout(kernel: ModuleType) -> None:
+    """The shapes of the shipped models' layers (SmolLM2-135M, the tiny and small checkpoints) take the
+    in-place path on this CPU: without it every swap reorders into fresh memory again."""
+    for out_features, in_features in [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (768, 256)]:
+        layout = row_block_layout(kernel, out_features, in_features, 64)
+        assert layout is not None, (out_features, in_features)
+        block, stride = layout
+        assert block % 8 == 0 and stride >= in_features * block
+
+
+class _NoWrite:
+    """Kernels whose pack_rows writes nothing: no candidate layout can read back."""
+
+    @staticmethod
+    def pack_rows(*args: object) -> None:
+        return None
+
+
+def test_without_a_known_layout_the_copy_is_reordered_anew() -> None:
+    layer = packed_linear(_NoWrite(), 96, 64)  # type: ignore[arg-type]
+    assert row_block_layout(_NoWrite(), 96, 64, 64) is None  # type: ignore[arg-type]
+    old = layer._packed
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(96, 64))
+    assert_runs_packed(layer, torch.randn(4, 64))
+    assert layer._packed is not old and torch.equal(layer._packed.to_dense(), layer.weight)
+
+
+def test_without_kernels_the_copy_is_reordered_anew() -> None:
+    layer = packed_linear(None, 96, 64)
+    old = layer._packed
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(96, 64))
+    assert_runs_packed(layer, torch.randn(4, 64))
+    assert layer._packed is not old
+
+
+@pytest.mark.parametrize(("offset", "rows"), [(0, 96), (0, 40), (8, 16), (3, 70), (61, 35), (95, 1)])
+def test_write_rows_fills_the_weight_and_its_packed_copy_in_one_pass(
+    kernel: ModuleType, offset: int, rows: int
+) -> None:
+    """Pieces of a fused weight (q, k, v rows) start anywhere: strips of 8 rows cut at either end."""
+    layer = packed_linear(kernel, 96, 44)
+    old, before = layer._packed, layer.weight.detach().clone()
+    layer.mark_packed_stale()
+    src = torch.randn(rows, 44)
+    piece = layer.weight.data.narrow(0, offset, rows)
+    assert layer.write_rows(offset, piece, src)
+    assert torch.equal(piece, src)
+    want = before.clone()
+    want[offset : offset + rows] = src
+    assert torch.equal(layer.weight, want)
+    assert layer._packed is not None
+    dense = layer._packed.to_dense()
+    assert torch.equal(dense[offset : offset + rows], src)  # the copy's other rows are rebuilt by pack()
+    layer.pack()
+    assert layer._packed is old and torch.equal(layer._packed.to_dense(), want)
+
+
+def test_write_rows_declines_what_it_cannot_write_in_one_pass(kernel: ModuleType) -> None:
+    layer = packed_linear(kernel, 96, 64)
+    before = layer.weight.detach().clone()
+    piece = layer.weight.data.narrow(0, 0, 96)
+    assert not layer.write_rows(0, piece, torch.randn(64, 96).t())  # not contiguous
+    assert not layer.write_rows(0, piece, torch.randn(96, 64, dtype=torch.float64))  # copy_ casts it
+    assert not packed_linear(None, 96, 64).write_rows(0, piece, torch.randn(96, 64))  # no kernels
+    assert torch.equal(layer.weight, before)
+
+
+@pytest.mark.parametrize("problem", ["too small", "block", "stride", "dtype", "plain shape"])
+def test_pack_rows_refuses_a_layout_that_does_not_fit(kernel: ModuleType, problem: str) -> None:
+    layer = packed_linear(kernel, 96, 64)
+    assert layer._packed is not None
+    address, floats = torch.ops.mkldnn.data_ptr(layer._packed), torch.ops.mkldnn._nbytes(layer._packed) // 4
+    weight, block, stride, plain = layer.weight.detach().clone(), 64, floats // 2, None
+    if problem == "too small":
+        floats -= 1
+    elif problem == "block":
+        block = 12
+    elif problem == "stride":
+        stride = 64 * 64 - 1
+    elif problem == "dtype":
+        weight = weight.double()
+    else:
+        plain = torch.empty(95, 64)
+    before = layer._packed.to_dense()
+    with pytest.raises(RuntimeError, match="pack_rows"):
+        kernel.pack_rows(weight, 0, address, floats, block, stride, plain)
+    assert torch.equal(layer._packed.to_dense(), before)  # refused before any write
 
 
 # ---- through the engine ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from types import ModuleType
@@ -30,18 +31,24 @@ class Linear(nn.Linear):
     torch's CPU ``F.linear`` calls MKL's sgemm, which packs the weight again on every call; for the
     few rows of a decode step that packing is most of the GEMM, and on AMD CPUs MKL also takes a
     generic code path. oneDNN with the weight reordered once runs the same GEMMs 1.5-7x faster here
-    (``python -m benchmarks gemm``). The copy follows the weight: the first forward after the copy
-    was dropped (every write through ``WeightPlan`` and ``model.weights_changed()`` drop it; sleep
-    too) or after the weight's storage or version changed reorders it again. It costs a second copy
+    (``python -m benchmarks gemm``). The copy follows the weight: the first forward after it was
+    marked stale (every write through ``WeightPlan`` and ``model.weights_changed()`` do that) or
+    dropped (sleep), or after the weight's storage or version changed, reorders it again: into the
+    existing copy where the kernels know its layout (``pack_rows``: a swap then touches no fresh
+    memory, and writes the copy in the same pass as the weight), else anew. It costs a second copy
     of the weight in memory.
     """
 
     prepack_hint: int | None = None
     """None: plain ``F.linear``. Otherwise packing is on, reordered for batches of about this many rows."""
+    kernels: ModuleType | None = None
+    """The C++ CPU kernels (``use_cpu_kernels``): with them a stale copy is rebuilt in place."""
     _packed: torch.Tensor | None = None
     _packed_key: tuple[int, int] | None = None
     _packed_source: torch.UntypedStorage | None = None
     """The storage the copy was made from, held so a swapped-in storage can never reuse its address."""
+    _rows_packed: int = 0
+    """Rows written into the stale copy by ``write_rows`` since it was marked stale (all: it is current)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
@@ -58,13 +65,14 @@ class Linear(nn.Linear):
         """Reorders the current weight now; returns the bytes of the copy. Turns packing off on error."""
         assert self.prepack_hint is not None
         weight = self.weight.detach()
-        try:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.prepack_hint)
-        except RuntimeError as exc:  # e.g. a dtype this CPU's oneDNN has no kernel for
-            logger.warning("oneDNN weight reorder failed (%s); this layer runs F.linear", exc)
-            self.prepack_hint = None
-            self.drop_packed()
-            return 0
+        if not self._pack_in_place(weight):
+            try:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.prepack_hint)
+            except RuntimeError as exc:  # e.g. a dtype this CPU's oneDNN has no kernel for
+                logger.warning("oneDNN weight reorder failed (%s); this layer runs F.linear", exc)
+                self.prepack_hint = None
+                self.drop_packed()
+                return 0
         self._packed_key = _weight_key(self.weight)
         self._packed_source = weight.untyped_storage()
         return weight.nbytes
@@ -74,10 +82,91 @@ class Linear(nn.Linear):
         writes through ``.data`` show only through ``drop_packed``, which every weight write calls)."""
         return self._packed is not None and self._packed_key == _weight_key(self.weight)
 
+    def _pack_in_place(self, weight: torch.Tensor) -> bool:
+        """Brings the packed copy it already has (stale, same shape) up to ``weight`` without fresh memory:
+        nothing to do where a weight write already wrote every row into it (``write_rows``), else the
+        kernels rewrite it where they know oneDNN's layout; False where it must be reordered anew."""
+        layout = self._in_place_layout(weight)
+        if layout is None:
+            return False
+        if self._rows_packed != weight.shape[0]:
+            self._write_packed(weight, 0, layout, None)
+        self._rows_packed = 0
+        return True
+
+    def write_rows(self, offset: int, piece: torch.Tensor, src: torch.Tensor) -> bool:
+        """Copies ``src`` into rows ``[offset, offset + len(src))`` of the weight (``piece`` is that view of
+        it) and of the packed copy, in one pass over ``src``. False, with nothing written, where the
+        in-place path does not apply (then ``piece.copy_(src)``, and the copy is rebuilt when the weight
+        is complete)."""
+        layout = self._in_place_layout(self.weight)
+        if layout is None or src.dtype != torch.float32 or src.device.type != "cpu" or not src.is_contiguous():
+            return False
+        if tuple(src.shape) != tuple(piece.shape) or not piece.is_contiguous():
+            return False
+        self._write_packed(src, offset, layout, piece)
+        self._rows_packed += src.shape[0]
+        return True
+
+    def _in_place_layout(self, weight: torch.Tensor) -> tuple[int, int] | None:
+        packed, kernels = self._packed, self.kernels
+        if packed is None or kernels is None or self.prepack_hint is None or tuple(packed.shape) != tuple(weight.shape):
+            return None
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+            return None
+        return row_block_layout(kernels, weight.shape[0], weight.shape[1], self.prepack_hint)
+
+    def _write_packed(
+        self, src: torch.Tensor, offset: int, layout: tuple[int, int], plain: torch.Tensor | None
+    ) -> None:
+        assert self._packed is not None and self.kernels is not None
+        address, floats = torch.ops.mkldnn.data_ptr(self._packed), _packed_floats(self._packed)
+        self.kernels.pack_rows(src.detach(), offset, address, floats, *layout, plain)
+
+    def mark_packed_stale(self) -> None:
+        """The weight was (or is being) written: the next forward or ``pack`` rebuilds the copy, in place
+        where it can, so the copy's memory is kept."""
+        self._packed_key = None
+        self._rows_packed = 0
+
     def drop_packed(self) -> None:
+        """Frees the packed copy (sleep, a lost write, packing turned off)."""
         self._packed = None
         self._packed_key = None
         self._packed_source = None
+        self._rows_packed = 0
+
+
+def _packed_floats(packed: torch.Tensor) -> int:
+    return int(torch.ops.mkldnn._nbytes(packed)) // 4
+
+
+@functools.cache
+def row_block_layout(kernels: ModuleType, out_features: int, in_features: int, hint: int) -> tuple[int, int] | None:
+    """``(block, block_stride)`` of ``pack_rows`` under which oneDNN lays out an ``[out, in]``
+    float32 weight reordered for ``hint`` rows here, or None (it then is reordered anew, as before).
+
+    oneDNN chooses the layout, so it is found, not assumed: for each candidate block size a probe of
+    distinct values is written in place into a fresh reorder of zeros and read back through oneDNN's own
+    ``to_dense``; the first candidate that returns the probe exactly is the layout. Once per shape and
+    process (the first swap pays it: ~0.2 s for a 49k-row LM head)."""
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
+        return None
+    # Distinct, normal floats (1.0 upwards, one ulp apart): unlike random draws, no two can be equal.
+    one = 0x3F800000
+    probe = torch.arange(out_features * in_features, dtype=torch.int32).add_(one).view(torch.float32)
+    probe = probe.view(out_features, in_features)
+    for block in (64, 32, 16, 8, 48, 128):
+        target = ops._reorder_linear_weight(torch.zeros_like(probe), hint)
+        floats, blocks = _packed_floats(target), -(-out_features // block)
+        if floats % blocks or floats // blocks < in_features * block:
+            continue
+        kernels.pack_rows(probe, 0, ops.data_ptr(target), floats, block, floats // blocks)
+        if torch.equal(target.to_dense(), probe):
+            return block, floats // blocks
+    logger.info("no in-place layout for a [%d, %d] oneDNN weight; swaps reorder it anew", out_features, in_features)
+    return None
 
 
 class RowParallelLinear(Linear):
@@ -134,8 +223,9 @@ def set_weight_prepack(model: nn.Module, hint: int | None) -> int:
         if isinstance(module, Linear):
             if hint is not None and module.prepack_hint == hint and module.packed_current():
                 continue
+            if module.prepack_hint != hint or hint is None:
+                module.drop_packed()  # a copy for another hint has another layout
             module.prepack_hint = hint
-            module.drop_packed()
             if hint is not None:
                 total += module.pack()
     return total
@@ -148,12 +238,21 @@ def drop_packed_weights(model: nn.Module) -> None:
             module.drop_packed()
 
 
+def mark_packed_weights_stale(model: nn.Module) -> None:
+    """Marks every packed copy stale, keeping its memory: rebuilt (in place where the layout is known) on
+    the next forward, ``weight_written`` or ``set_weight_prepack``."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.mark_packed_stale()
+
+
 def use_cpu_kernels(model: nn.Module, kernels: ModuleType | None) -> None:
     """Hands the C++ CPU kernels (``cpu_kernels.load()``; None: torch ops) to every layer that has a
-    fused form: RMSNorm, rotary embedding, the gated MLP's activation. Each still takes the torch
-    path for inputs the kernels do not cover (not float32, not CPU, partial rotary)."""
+    fused form: RMSNorm, rotary embedding, the gated MLP's activation, and Linear (its packed copy
+    rebuilt in place). Each still takes the torch path for inputs the kernels do not cover (not
+    float32, not CPU, partial rotary)."""
     for module in model.modules():
-        if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP)):
+        if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP, Linear)):
             module.kernels = kernels
 
 

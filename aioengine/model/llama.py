@@ -22,7 +22,7 @@ from aioengine.model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabEmbedding,
-    drop_packed_weights,
+    mark_packed_weights_stale,
 )
 from aioengine.model.parallel import SINGLE, TensorParallel
 from aioengine.model.tp_layout import split_heads
@@ -167,7 +167,14 @@ class LlamaForCausalLM(nn.Module):
         """Call after writing parameters in place by any means other than ``WeightPlan`` (which calls it):
         copies derived from the weights (oneDNN-packed linear weights) are rebuilt on the next forward.
         Writes through ``param.data`` do not bump the version counter, so they cannot be seen otherwise."""
-        drop_packed_weights(self)
+        mark_packed_weights_stale(self)
+
+    def write_weight(self, param: str, offset: int, piece: torch.Tensor, src: torch.Tensor) -> bool:
+        """Writes ``src`` into ``piece`` (rows ``[offset, ...)`` of parameter ``param``) and into the packed
+        copy of the one linear layer computing from it, in one pass; False, with nothing written, where
+        that does not apply (the caller then copies, and ``weight_written`` repacks)."""
+        linears = self._linears_of.get(param, ())
+        return len(linears) == 1 and linears[0].write_rows(offset, piece, src)
 
     def weight_written(self, param: str) -> None:
         """Called by a weight write once parameter ``param`` is wholly written: the linear layers computing

@@ -205,6 +205,14 @@ class WeightPlan:
             self._marked_changed = True
         return self._piece(target)
 
+    def write(self, target: WeightTarget, tensor: torch.Tensor) -> None:
+        """Copies checked ``tensor`` into its piece (the packed copy too, in the same pass, where the model
+        can: ``LlamaForCausalLM.write_weight``), then records it (``written``)."""
+        piece = self.destination(target)
+        if not self.model.write_weight(target.param, target.offset, piece, tensor):
+            piece.copy_(tensor)
+        self.written(target)
+
     def written(self, target: WeightTarget) -> None:
         """Records that ``target``'s piece was copied; once every row of its parameter has been, tells the
         model (``weight_written``: derived copies are rebuilt while the weight is in cache)."""

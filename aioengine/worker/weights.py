@@ -188,8 +188,7 @@ def apply_weights(
                 continue
             if not source.tensors_checked:
                 check_tensor(name, tensor, allow_non_finite=allow_non_finite)
-            plan.destination(target).copy_(tensor)
-            plan.written(target)
+            plan.write(target, tensor)
             written += 1
             nbytes += tensor.numel() * tensor.element_size()
     except Exception as exc:

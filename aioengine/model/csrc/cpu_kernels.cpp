@@ -3,7 +3,8 @@
 //   through each row's block table (no gathered copy of the context);
 // - argmax_rows: greedy sampling's argmax;
 // - rms_norm, rotary_inplace, silu_and_mul: the elementwise parts of a Llama layer, one pass each
-//   instead of 5-12 torch ops (on CPU every op costs microseconds of dispatch).
+//   instead of 5-12 torch ops (on CPU every op costs microseconds of dispatch);
+// - pack_rows: a swapped-in linear weight written into its oneDNN-reordered copy in place.
 //
 // Built on first use by aioengine/model/cpu_kernels.py (torch.utils.cpp_extension); the plain torch
 // paths (attention.py, layers.py, torch.argmax) compute the same things and are what these are tested
@@ -372,6 +373,81 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+#if defined(__AVX__)
+// out[k * ld_out + j] = in[j * ld_in + k] for an 8x8 tile, transposed in registers.
+inline void transpose8x8(const float* in, int64_t ld_in, float* out, int64_t ld_out) {
+  __m256 a[8], b[8], c[8];
+  for (int r = 0; r < 8; ++r) a[r] = _mm256_loadu_ps(in + r * ld_in);
+  for (int r = 0; r < 8; r += 2) {
+    b[r] = _mm256_unpacklo_ps(a[r], a[r + 1]);
+    b[r + 1] = _mm256_unpackhi_ps(a[r], a[r + 1]);
+  }
+  for (int r = 0; r < 8; r += 4) {
+    c[r] = _mm256_shuffle_ps(b[r], b[r + 2], 0x44);
+    c[r + 1] = _mm256_shuffle_ps(b[r], b[r + 2], 0xEE);
+    c[r + 2] = _mm256_shuffle_ps(b[r + 1], b[r + 3], 0x44);
+    c[r + 3] = _mm256_shuffle_ps(b[r + 1], b[r + 3], 0xEE);
+  }
+  for (int r = 0; r < 4; ++r) {
+    _mm256_storeu_ps(out + r * ld_out, _mm256_permute2f128_ps(c[r], c[r + 4], 0x20));
+    _mm256_storeu_ps(out + (r + 4) * ld_out, _mm256_permute2f128_ps(c[r], c[r + 4], 0x31));
+  }
+}
+#endif
+
+// Rows [row_offset, row_offset + R) of a linear weight, given as src [R, I], written into a
+// oneDNN-reordered copy of the weight in place (and, with `plain` defined, into the plain weight's rows
+// too, in the same pass: src is read once). The layout is the one oneDNN picks for float32 matmul
+// weights here: rows in blocks of `block`, each block stored column by column, so element (o, i) is at
+// (o / block) * block_stride + i * block + o % block; the padding past the last row and column is left
+// as it is (zeros from oneDNN's reorder). `dst_address` is the copy's data (torch.ops.mkldnn.data_ptr),
+// `dst_floats` its size. A fresh reorder allocates the copy anew, and on this kind of host the first
+// touch of fresh memory costs more than the reorder itself; in place, a swap writes memory already mapped.
+void pack_rows(const at::Tensor& src, int64_t row_offset, int64_t dst_address, int64_t dst_floats, int64_t block,
+               int64_t block_stride, const c10::optional<at::Tensor>& plain) {
+  TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kFloat && src.is_contiguous(),
+              "pack_rows: src must be a contiguous [rows, I] float32 tensor");
+  const int64_t R = src.size(0), I = src.size(1);
+  TORCH_CHECK(dst_address != 0 && row_offset >= 0 && block > 0 && block % 8 == 0 && block_stride >= I * block,
+              "pack_rows: the layout's block must be a positive multiple of 8 and its stride hold I columns");
+  const int64_t blocks = (row_offset + R + block - 1) / block;
+  TORCH_CHECK(blocks * block_stride <= dst_floats, "pack_rows: the layout needs ", blocks * block_stride,
+              " floats, the destination holds ", dst_floats);
+  float* plain_rows = nullptr;
+  if (plain.has_value()) {
+    TORCH_CHECK(plain->scalar_type() == at::kFloat && plain->is_contiguous() && plain->sizes() == src.sizes() &&
+                    plain->data_ptr<float>() != src.data_ptr<float>(),
+                "pack_rows: plain must be a contiguous float32 tensor shaped like src, not src itself");
+    plain_rows = plain->data_ptr<float>();
+  }
+  float* dst = reinterpret_cast<float*>(dst_address);
+  const float* in = src.data_ptr<float>();
+  auto at_row = [&](int64_t o) { return dst + (o / block) * block_stride + o % block; };  // o: a weight row
+  // Strips of 8 weight rows aligned to 8 (so none crosses a block); a partial strip at either end.
+  const int64_t first = row_offset / 8, last = (row_offset + R + 7) / 8;
+  at::parallel_for(first, last, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t strip = begin; strip < end; ++strip) {
+      const int64_t o0 = std::max(strip * 8, row_offset), o1 = std::min(strip * 8 + 8, row_offset + R);
+      const float* rows = in + (o0 - row_offset) * I;
+      int64_t i0 = 0;
+#if defined(__AVX__)
+      if (o1 - o0 == 8) {
+        float* out = at_row(o0);
+        for (; i0 + 8 <= I; i0 += 8) transpose8x8(rows + i0, I, out + i0 * block, block);
+      }
+#endif
+      for (int64_t o = o0; o < o1; ++o) {  // what the tiles left: partial strips, the last columns
+        float* out = at_row(o);
+        const float* row = rows + (o - o0) * I;
+        for (int64_t i = i0; i < I; ++i) out[i * block] = row[i];
+      }
+      if (plain_rows != nullptr) {  // the strip's rows are in cache now
+        std::memcpy(plain_rows + (o0 - row_offset) * I, rows, static_cast<size_t>((o1 - o0) * I) * sizeof(float));
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // Every kernel releases the GIL while it runs, as torch's own ops do: it touches no Python object,
@@ -387,4 +463,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "Rotate-half rotary embedding of q and k, in place (CPU, float32)",
         release_gil());
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)", release_gil());
+  m.def("pack_rows", &pack_rows, "Rows of a linear weight into its oneDNN-reordered copy in place, and optionally "
+        "into the plain weight (CPU, float32)", py::arg("src"), py::arg("row_offset"), py::arg("dst_address"),
+        py::arg("dst_floats"), py::arg("block"), py::arg("block_stride"), py::arg("plain") = py::none(), release_gil());
 }
