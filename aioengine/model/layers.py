@@ -79,7 +79,7 @@ class Linear(nn.Linear):
 
     def packed_current(self) -> bool:
         """Whether a packed copy exists and was made from the weight as it is now (as far as can be seen:
-        writes through ``.data`` show only through ``drop_packed``, which every weight write calls)."""
+        writes through ``.data`` show only through ``mark_packed_stale``, which every weight write calls)."""
         return self._packed is not None and self._packed_key == _weight_key(self.weight)
 
     def _pack_in_place(self, weight: torch.Tensor) -> bool:
