@@ -202,7 +202,8 @@ def test_packed_linear_matches_f_linear(linear: Linear, shape: tuple[int, ...]) 
 
 
 def test_packed_linear_runs_from_its_copy_until_it_is_dropped(linear: Linear) -> None:
-    # A write through .data bumps no version counter: unseen until drop_packed (what weights_changed does).
+    # A write through .data bumps no version counter: unseen until the copy is dropped or marked stale
+    # (weights_changed marks every copy stale).
     x = torch.randn(4, 64)
     before = linear(x)
     linear.weight.data.mul_(2)
