@@ -8,11 +8,12 @@ on the new checkpoint directly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import re
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -296,11 +297,14 @@ async def test_weights_broadcast_by_a_trainer_process_give_the_outputs_of_an_eng
     assert outputs == outputs_b
 
 
-def trainer_thread(
-    port: int, batches: list[Any], release: threading.Event, errors: list[BaseException]
-) -> threading.Thread:
-    """A trainer in a thread (enough: the group is private, nothing global is touched): hosts the group,
-    broadcasts each batch in turn, then waits for ``release`` and passes the closing barrier."""
+@contextlib.asynccontextmanager
+async def trainer_in_thread(engine: AsyncEngine, batches: list[Any]) -> AsyncIterator[None]:
+    """A trainer in a thread (enough: the group is private, nothing global is touched) hosts a group the
+    engine joins, and broadcasts each batch in turn. On exit the engine leaves the group (the trainer then
+    passes the closing barrier) and the trainer must have ended without an error."""
+    port = free_port()
+    release = threading.Event()
+    errors: list[BaseException] = []
 
     def run() -> None:
         try:
@@ -316,7 +320,16 @@ def trainer_thread(
         except BaseException as exc:
             errors.append(exc)
 
-    return threading.Thread(target=run, daemon=True)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        await rpc(engine, "init_weight_update_group", "127.0.0.1", port, 1, 2, timeout_s=30.0)
+        yield
+    finally:
+        release.set()
+        await rpc(engine, "close_weight_update_group")
+        await asyncio.to_thread(thread.join, TIMEOUT)
+    assert not errors and not thread.is_alive()
 
 
 async def test_a_rejected_broadcast_changes_nothing_and_keeps_the_group_in_step(
@@ -325,25 +338,14 @@ async def test_a_rejected_broadcast_changes_nothing_and_keeps_the_group_in_step(
     good = hf_tensors(ckpt_b)
     bad_name = "model.layers.1.mlp.up_proj.weight"
     bad = [(n, t) for n, t in good if n != bad_name] + [(bad_name, torch.zeros(3, 3))]  # the last one does not fit
-    port = free_port()
-    release = threading.Event()
-    errors: list[BaseException] = []
-    thread = trainer_thread(port, [bad, good], release, errors)
     async with make_engine(llama_ckpt, **with_extension(Both)) as engine:
         before = await rpc(engine, "weight_checksums")
-        thread.start()
-        try:
-            await rpc(engine, "init_weight_update_group", "127.0.0.1", port, 1, 2, timeout_s=30.0)
+        async with trainer_in_thread(engine, [bad, good]):
             with pytest.raises(CheckpointError, match=re.escape("'model.layers.1.mlp.up_proj.weight' has shape")):
                 await rpc(engine, "receive_weights", weight_metadata(bad))
             unchanged = await rpc(engine, "weight_checksums") == before
             await rpc(engine, "receive_weights", weight_metadata(good), partial=False)
             outputs = await greedy_outputs(engine)
-        finally:
-            release.set()
-            await rpc(engine, "close_weight_update_group")
-            await asyncio.to_thread(thread.join, TIMEOUT)
-    assert not errors and not thread.is_alive()
     assert unchanged
     assert outputs == outputs_b
 
@@ -357,21 +359,12 @@ async def test_a_broadcast_that_breaks_midway_discards_the_weights_and_the_next_
     good = hf_tensors(ckpt_b)
     middle = len(good) // 2
     bad = [(n, torch.full_like(t, float("nan")) if i == middle else t) for i, (n, t) in enumerate(good)]
-    port = free_port()
-    release = threading.Event()
-    errors: list[BaseException] = []
-    thread = trainer_thread(port, [bad, good], release, errors)
-    async with make_engine(llama_ckpt, **with_extension(WeightSyncExtension)) as engine:
-        thread.start()
-        try:
-            await rpc(engine, "init_weight_update_group", "127.0.0.1", port, 1, 2, timeout_s=30.0)
-            with pytest.raises(WeightsLostError, match=re.escape(bad[middle][0])):
-                await rpc(engine, "receive_weights", weight_metadata(bad), partial=False)
-            await rpc(engine, "receive_weights", weight_metadata(good), partial=False)
-            outputs = await greedy_outputs(engine)
-        finally:
-            release.set()
-            await rpc(engine, "close_weight_update_group")
-            await asyncio.to_thread(thread.join, TIMEOUT)
-    assert not errors and not thread.is_alive()
+    async with (
+        make_engine(llama_ckpt, **with_extension(WeightSyncExtension)) as engine,
+        trainer_in_thread(engine, [bad, good]),
+    ):
+        with pytest.raises(WeightsLostError, match=re.escape(bad[middle][0])):
+            await rpc(engine, "receive_weights", weight_metadata(bad), partial=False)
+        await rpc(engine, "receive_weights", weight_metadata(good), partial=False)
+        outputs = await greedy_outputs(engine)
     assert outputs == outputs_b
