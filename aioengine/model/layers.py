@@ -223,8 +223,8 @@ def set_weight_prepack(model: nn.Module, hint: int | None) -> int:
         if isinstance(module, Linear):
             if hint is not None and module.prepack_hint == hint and module.packed_current():
                 continue
-            if module.prepack_hint != hint or hint is None:
-                module.drop_packed()  # a copy for another hint has another layout
+            if module.prepack_hint != hint:
+                module.drop_packed()  # a copy for another hint has another layout (or packing goes off)
             module.prepack_hint = hint
             if hint is not None:
                 total += module.pack()
