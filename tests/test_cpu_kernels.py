@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -190,9 +190,10 @@ def test_a_weight_that_wants_gradients_runs_f_linear(linear: Linear) -> None:
 
 
 def assert_runs_packed(layer: Linear, x: torch.Tensor) -> None:
-    """The layer gives F.linear of its current weight, from a packed copy (rebuilt if it was stale)."""
+    """The layer gives F.linear of its current weight, from a packed copy (rebuilt if it was stale); up to
+    float32 rounding, which differs with the order of the sums (outputs here are up to ~50 in size)."""
     with torch.no_grad():
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
     assert layer._packed is not None and layer.prepack_hint is not None
 
 
@@ -256,6 +257,7 @@ def test_a_weight_write_packs_each_layer_in_place_as_its_weight_is_completed(
     assert all(m._packed is not None and m.packed_current() for m in layers)
     assert all(m._packed is old for m, old in zip(layers, old_copies, strict=True))
     assert runner.prepack_weights() == 0
+    assert all((m._row_blocks is not None) == hasattr(kernel, "linear_row_blocks") for m in layers)
     for layer in layers:
         assert layer._packed is not None
         assert torch.equal(layer._packed.to_dense(), layer.weight)
@@ -292,7 +294,14 @@ def test_a_stale_packed_copy_is_rewritten_in_place_exactly(
     assert torch.equal(layer._packed.to_dense(), layer.weight)
     x = torch.randn(5, in_features)
     fresh = torch.ops.mkldnn._reorder_linear_weight(layer.weight, hint)
-    assert torch.equal(layer(x), torch.ops.mkldnn._linear_pointwise(x, fresh, None, "none", [], ""))
+    onednn = torch.ops.mkldnn._linear_pointwise
+    assert torch.equal(onednn(x, layer._packed, None, "none", [], ""), onednn(x, fresh, None, "none", [], ""))
+    # The row-block GEMM reads the rewritten copy where it is in 64-row blocks (which hints give those is
+    # oneDNN's choice for the CPU).
+    layout = row_block_layout(kernel, out_features, in_features, hint)
+    row_blocks = hasattr(kernel, "linear_row_blocks") and layout is not None and layout[0] == 64
+    assert (layer._row_blocks is not None) == row_blocks
+    assert_runs_packed(layer, x)
 
 
 def test_the_models_shapes_have_a_row_block_layout(kernel: ModuleType) -> None:
@@ -386,6 +395,123 @@ def test_pack_rows_refuses_a_layout_that_does_not_fit(kernel: ModuleType, proble
     assert torch.equal(layer._packed.to_dense(), before)  # refused before any write
 
 
+# ---- the row-block GEMM (linear_row_blocks: AVX-512 builds) -----------------------------------------
+@pytest.fixture
+def gemm_kernel(kernel: ModuleType) -> ModuleType:
+    if not hasattr(kernel, "linear_row_blocks"):
+        pytest.skip("the kernels were built without AVX-512: Linear runs oneDNN's GEMM")
+    return kernel
+
+
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """On 2 threads a weight of 9 row blocks splits each block's rows in two (the blocks do not share out)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+class _Counting:
+    """The kernels, counting the calls to the row-block GEMM."""
+
+    def __init__(self, kernels: ModuleType) -> None:
+        self.kernels, self.gemm_calls = kernels, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kernels, name)
+
+    def linear_row_blocks(self, *args: Any) -> torch.Tensor:
+        self.gemm_calls += 1
+        return self.kernels.linear_row_blocks(*args)
+
+
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(960, 576), (576, 1536), (100, 37), (7, 5), (130, 24), (64, 64)]
+)
+@pytest.mark.parametrize("rows", [1, 7, 12, 13, 64, 1100])
+def test_the_row_block_gemm_equals_f_linear(
+    gemm_kernel: ModuleType, threads: int, out_features: int, in_features: int, rows: int
+) -> None:
+    """Rows off the 6-row tile and over the 1024-row chunk, columns and rows off the 64-row block (oneDNN
+    pads both), with and without a bias, from a view whose rows are further apart than its columns."""
+    counting = _Counting(gemm_kernel)
+    layer = packed_linear(counting, out_features, in_features)  # type: ignore[arg-type]
+    assert layer._row_blocks is not None
+    gen = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, in_features + 3, generator=gen)
+    for x in (wide[:, :in_features], wide[:, :in_features].contiguous()):
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-4, rtol=1e-5)
+    assert counting.gemm_calls == 2
+    bias = torch.randn(out_features, generator=gen)
+    address, floats, stride = layer._row_blocks
+    torch.testing.assert_close(
+        gemm_kernel.linear_row_blocks(wide[:, :in_features], address, floats, out_features, stride, bias),
+        F.linear(wide[:, :in_features], layer.weight, bias),
+        atol=1e-4,
+        rtol=1e-5,
+    )
+
+
+def test_the_row_block_gemm_of_no_rows_is_empty(gemm_kernel: ModuleType) -> None:
+    layer = packed_linear(gemm_kernel, 96, 64)
+    assert layer._row_blocks is not None
+    assert layer(torch.empty(0, 64)).shape == (0, 96)
+
+
+def test_a_copy_the_check_does_not_confirm_runs_onednn(gemm_kernel: ModuleType) -> None:
+    """oneDNN picks the copy's layout per CPU, shape and hint (64-row blocks, 16-row blocks, plain): where
+    ``row_blocks_equal`` does not confirm 64-row blocks, the row-block GEMM must not read the copy, and the
+    layer's output is oneDNN's, bit for bit."""
+
+    class Unconfirmed(_Counting):
+        @staticmethod
+        def row_blocks_equal(*args: object) -> bool:
+            return False
+
+    kernels = Unconfirmed(gemm_kernel)
+    layer = packed_linear(kernels, 130, 24)  # type: ignore[arg-type]
+    assert layer._packed is not None and layer._row_blocks is None
+    x = torch.randn(5, 24)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, layer._packed, None, "none", [], "")
+    assert torch.equal(layer(x), onednn) and kernels.gemm_calls == 0
+
+
+def test_row_blocks_equal_finds_a_copy_that_is_not_the_weight(gemm_kernel: ModuleType) -> None:
+    layer = packed_linear(gemm_kernel, 100, 37)
+    assert layer._row_blocks is not None
+    address, floats, stride = layer._row_blocks
+    weight = layer.weight.detach().clone()
+    assert gemm_kernel.row_blocks_equal(weight, address, floats, 64, stride)
+    weight[99, 36] += 1  # the last element: the padded block's last row, the padded stride's last column
+    assert not gemm_kernel.row_blocks_equal(weight, address, floats, 64, stride)
+    assert not gemm_kernel.row_blocks_equal(layer.weight.detach(), address, 2 * stride - 1, 64, stride)  # too small
+    assert not gemm_kernel.row_blocks_equal(layer.weight.detach(), address, floats, 32, stride // 2)  # wrong block
+
+
+@pytest.mark.parametrize("problem", ["dtype", "column stride", "too small", "stride", "bias", "no columns"])
+def test_the_row_block_gemm_refuses_what_does_not_fit(gemm_kernel: ModuleType, problem: str) -> None:
+    layer = packed_linear(gemm_kernel, 96, 64)
+    assert layer._row_blocks is not None
+    address, floats, stride = layer._row_blocks
+    x, bias = torch.randn(4, 64), None
+    if problem == "dtype":
+        x = x.double()
+    elif problem == "column stride":
+        x = torch.randn(64, 4).t()
+    elif problem == "too small":
+        floats = 2 * stride - 1
+    elif problem == "stride":
+        stride = 64 * 64 - 1
+    elif problem == "bias":
+        bias = torch.randn(95)
+    else:
+        x = torch.randn(4, 0)
+    with pytest.raises(RuntimeError, match="linear_row_blocks"):
+        gemm_kernel.linear_row_blocks(x, address, floats, 96, stride, bias)
+
+
 # ---- through the engine ------------------------------------------------------------------------------
 async def greedy(engine: AsyncEngine) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -396,11 +522,17 @@ def linears(worker: Any) -> list[Linear]:
     return [m for m in worker.model_runner.model.modules() if isinstance(m, Linear)]
 
 
-def speed_paths(worker: Any) -> tuple[bool, bool]:
-    """(decode attention runs the C++ kernel, every Linear runs packed) on this worker."""
+def speed_paths(worker: Any) -> tuple[bool, bool, bool]:
+    """(decode attention runs the C++ kernel, every Linear runs packed, every Linear runs the row-block
+    GEMM) on this worker."""
     runner = worker.model_runner
     assert runner.decode_runner is None or runner.decode_runner.decode_kernel is runner.decode_kernel
-    return runner.decode_kernel is not None, all(m.prepack_hint is not None for m in linears(worker))
+    layers = linears(worker)
+    return (
+        runner.decode_kernel is not None,
+        all(m.prepack_hint is not None for m in layers),
+        all(m._row_blocks is not None for m in layers),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -416,7 +548,8 @@ async def test_concurrent_greedy_tokens_equal_hf_with_the_speed_paths_on_or_off(
     on = switches.startswith("on")
     compile_cfg = {"enforce_eager": switches.endswith("eager")}  # eager: pure decode steps via prepare_inputs too
     async with make_engine(llama_ckpt, device={} if on else OFF, compile=compile_cfg) as engine:
-        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (on, on)
+        gemm = on and hasattr(kernel, "linear_row_blocks")
+        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (on, on, gemm)
         assert await greedy(engine) == hf_tokens
 
 
@@ -426,7 +559,7 @@ async def test_engine_without_a_kernel_build_serves_on_the_torch_path(
 ) -> None:  # fmt: skip
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # what load() gives where the build fails
     async with make_engine(llama_ckpt) as engine:
-        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (False, True)
+        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (False, True, False)
         assert await greedy(engine) == hf_tokens
 
 
@@ -439,7 +572,8 @@ async def test_update_weights_with_packed_weights_gives_the_new_checkpoints_toke
     async with make_engine(llama_ckpt) as engine:
         before = await greedy(engine)
         await engine.update_weights(ckpt_b)
-        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (True, True)
+        gemm = hasattr(kernel, "linear_row_blocks")
+        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (True, True, gemm)
         assert await greedy(engine) == want
     assert all(a != b for a, b in zip(before, want, strict=True)), "A and B must disagree for the swap to show"
 
@@ -448,7 +582,9 @@ async def test_sleep_frees_the_packed_weights_and_wake_up_packs_them_again(
     make_engine: Callable[..., AsyncEngine], llama_ckpt: Path, hf_tokens: list[list[int]]
 ) -> None:
     def packed(worker: Any) -> int:
-        return sum(m._packed is not None for m in linears(worker))
+        layers = linears(worker)
+        assert all(m._row_blocks is None for m in layers if m._packed is None)  # no GEMM reads a freed copy
+        return sum(m._packed is not None for m in layers)
 
     async with make_engine(llama_ckpt) as engine:
         total = await engine.collective_rpc(packed, unique_reply_rank=0)

@@ -37,6 +37,11 @@ class Linear(nn.Linear):
     existing copy where the kernels know its layout (``pack_rows``: a swap then touches no fresh
     memory, and writes the copy in the same pass as the weight), else anew. It costs a second copy
     of the weight in memory.
+
+    Where the kernels have ``linear_row_blocks`` (AVX-512 builds) and the copy is laid out in 64-row
+    blocks (checked value for value each time it is made), the GEMM runs there instead of in oneDNN,
+    reading the same copy: 1.2-1.6x oneDNN's speed for the 1-64 rows of a decode step, level from
+    1024 rows (``python -m benchmarks gemm``).
     """
 
     prepack_hint: int | None = None
@@ -49,6 +54,9 @@ class Linear(nn.Linear):
     """The storage the copy was made from, held so a swapped-in storage can never reuse its address."""
     _rows_packed: int = 0
     """Rows written into the stale copy by ``write_rows`` since it was marked stale (all: it is current)."""
+    _row_blocks: tuple[int, int, int] | None = None
+    """``(address, floats, block_stride)`` of the copy where ``kernels.linear_row_blocks`` reads it (64-row
+    blocks, checked against the weight); None: oneDNN's GEMM."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
@@ -59,6 +67,9 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, bias)  # the oneDNN op has no autograd: inference only
         if self._packed_key != _weight_key(self.weight) and not self.pack():
             return F.linear(x, self.weight, bias)
+        if self._row_blocks is not None and self.kernels is not None and x.dim() == 2 and x.stride(1) == 1:
+            address, floats, stride = self._row_blocks
+            return self.kernels.linear_row_blocks(x, address, floats, self.out_features, stride, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
 
     def pack(self) -> int:
@@ -73,6 +84,7 @@ class Linear(nn.Linear):
                 self.prepack_hint = None
                 self.drop_packed()
                 return 0
+            self._row_blocks = self._checked_row_blocks(weight)
         self._packed_key = _weight_key(self.weight)
         self._packed_source = weight.untyped_storage()
         return weight.nbytes
@@ -92,7 +104,28 @@ class Linear(nn.Linear):
         if self._rows_packed != weight.shape[0]:
             self._write_packed(weight, 0, layout, None)
         self._rows_packed = 0
+        if layout[0] != _GEMM_BLOCK or not hasattr(self.kernels, "linear_row_blocks"):
+            self._row_blocks = None
+        elif self._row_blocks is None or self._row_blocks[2] != layout[1]:  # every row is written under layout
+            assert self._packed is not None
+            self._row_blocks = torch.ops.mkldnn.data_ptr(self._packed), _packed_floats(self._packed), layout[1]
         return True
+
+    def _checked_row_blocks(self, weight: torch.Tensor) -> tuple[int, int, int] | None:
+        """The copy just made by oneDNN, as ``linear_row_blocks`` reads it, if it holds ``weight`` in 64-row
+        blocks value for value (one read of each); else None (oneDNN's GEMM reads it)."""
+        kernels, packed = self.kernels, self._packed
+        if kernels is None or packed is None or not hasattr(kernels, "linear_row_blocks"):
+            return None
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+            return None
+        floats, blocks = _packed_floats(packed), -(-weight.shape[0] // _GEMM_BLOCK)
+        if floats % blocks or floats // blocks < weight.shape[1] * _GEMM_BLOCK:
+            return None
+        address, stride = torch.ops.mkldnn.data_ptr(packed), floats // blocks
+        if not kernels.row_blocks_equal(weight, address, floats, _GEMM_BLOCK, stride):
+            return None
+        return address, floats, stride
 
     def write_rows(self, offset: int, piece: torch.Tensor, src: torch.Tensor) -> bool:
         """Copies ``src`` into rows ``[offset, offset + len(src))`` of the weight (``piece`` is that view of
@@ -132,9 +165,14 @@ class Linear(nn.Linear):
     def drop_packed(self) -> None:
         """Frees the packed copy (sleep, a lost write, packing turned off)."""
         self._packed = None
+        self._row_blocks = None
         self._packed_key = None
         self._packed_source = None
         self._rows_packed = 0
+
+
+_GEMM_BLOCK = 64
+"""The row block of the copies ``linear_row_blocks`` reads."""
 
 
 def _packed_floats(packed: torch.Tensor) -> int:

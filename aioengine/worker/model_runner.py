@@ -113,7 +113,6 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             eos_token_ids=tuple(self.eos_token_ids),
         )
-        self.prepack_weights()
         if (
             self.config.device.cpu_kernels
             and self.device.type == "cpu"
@@ -125,6 +124,7 @@ class ModelRunner:
                 self.decode_kernel = kernels.paged_decode_attention
                 self.sampler = Sampler(argmax=kernels.argmax_rows)
                 use_cpu_kernels(self.model, kernels)
+        self.prepack_weights()  # after the kernels: with them a copy may be read by their GEMM
         logger.info("loaded %s (%s) in %.2fs", path, self.dtype, time.perf_counter() - start)
 
     def prepack_weights(self) -> int:

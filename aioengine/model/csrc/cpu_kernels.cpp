@@ -4,7 +4,9 @@
 // - argmax_rows: greedy sampling's argmax;
 // - rms_norm, rotary_inplace, silu_and_mul: the elementwise parts of a Llama layer, one pass each
 //   instead of 5-12 torch ops (on CPU every op costs microseconds of dispatch);
-// - pack_rows: a swapped-in linear weight written into its oneDNN-reordered copy in place.
+// - pack_rows: a swapped-in linear weight written into its oneDNN-reordered copy in place;
+// - linear_row_blocks: x @ W.T (+ bias) read straight from that copy, for the few rows of a decode step
+//   (AVX-512 builds only), and row_blocks_equal, which checks that a copy is laid out as it assumes.
 //
 // Built on first use by aioengine/model/cpu_kernels.py (torch.utils.cpp_extension); the plain torch
 // paths (attention.py, layers.py, torch.argmax) compute the same things and are what these are tested
@@ -18,9 +20,11 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <limits>
 #include <vector>
 
@@ -448,6 +452,139 @@ void pack_rows(const at::Tensor& src, int64_t row_offset, int64_t dst_address, i
   });
 }
 
+// Whether rows [0, R) of src [R, I] sit in the copy at dst_address under pack_rows' layout (block,
+// block_stride), value for value: what linear_row_blocks needs of a copy before it reads one.
+bool row_blocks_equal(const at::Tensor& src, int64_t dst_address, int64_t dst_floats, int64_t block,
+                      int64_t block_stride) {
+  TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kFloat && src.is_contiguous(),
+              "row_blocks_equal: src must be a contiguous [rows, I] float32 tensor");
+  const int64_t R = src.size(0), I = src.size(1);
+  TORCH_CHECK(dst_address != 0 && block > 0 && block_stride >= I * block,
+              "row_blocks_equal: the layout's block must be positive and its stride hold I columns");
+  const int64_t blocks = (R + block - 1) / block;
+  if (blocks * block_stride > dst_floats) return false;
+  const float* dst = reinterpret_cast<const float*>(dst_address);
+  const float* in = src.data_ptr<float>();
+  std::vector<char> equal(static_cast<size_t>(blocks), 1);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* packed = dst + b * block_stride;
+      const int64_t rows = std::min(block, R - b * block);
+      for (int64_t r = 0; r < rows && equal[b]; ++r) {  // bitwise, so a NaN weight matches its own copy
+        const float* row = in + (b * block + r) * I;
+        for (int64_t i = 0; i < I; ++i) {
+          if (std::memcmp(row + i, packed + i * block + r, sizeof(float)) != 0) {
+            equal[b] = 0;
+            break;
+          }
+        }
+      }
+    }
+  });
+  return std::all_of(equal.begin(), equal.end(), [](char e) { return e != 0; });
+}
+
+#if defined(__AVX512F__)
+constexpr int64_t kGemmBlock = 64;  // the copy's row block: 64 output columns, four AVX-512 registers
+
+// out[r, c] = x[r, :] . W[c, :] (+ bias[c]) for MR rows of x and the ncols (<= 16 * NV) columns of one
+// row block, whose column k holds W[c0 .. c0 + 63, k] at w + k * 64. MR x NV accumulators stay in
+// registers over the whole of K (6 x 4 = 24 of the 32): each step loads NV vectors of W, broadcasts
+// MR values of x and issues MR * NV fused multiply-adds.
+template <int MR, int NV>
+void gemm_tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K, float* __restrict out,
+               int64_t ldo, int64_t ncols, const float* __restrict bias) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_ps(w + k * kGemmBlock + 16 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(xr, wv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const int64_t c = ncols - 16 * v;  // columns of this vector that exist (the block's last may be partial)
+    if (c <= 0) break;
+    const __mmask16 mask = c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << c) - 1);
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * v) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo + 16 * v, mask, _mm512_add_ps(acc[r][v], b));
+  }
+}
+
+using GemmTile = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*);
+constexpr int kTileRows = 6;
+
+template <int... R>
+constexpr std::array<GemmTile, sizeof...(R)> gemm_tiles(std::integer_sequence<int, R...>) {
+  return {&gemm_tile<R + 1, 4>...};
+}
+constexpr auto kGemmTiles = gemm_tiles(std::make_integer_sequence<int, kTileRows>{});
+
+// x [M, K] @ W.T (+ bias) with W [N, K] read from its oneDNN-reordered copy in the row-block layout of
+// pack_rows with a block of 64 (what oneDNN picks here for batches of 64 rows or more; the caller checks
+// with row_blocks_equal). For few rows oneDNN's GEMM reaches 50-75% of this CPU's peak; this one keeps
+// a 6 x 64 tile of the output in registers for the whole of K, reads each row block of W once from
+// memory and then from L2 for the other row tiles, and splits the rows into tiles of near-equal size.
+at::Tensor linear_row_blocks(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
+                             int64_t block_stride, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.device().is_cpu(),
+              "linear_row_blocks: x must be a [rows, K] float32 CPU tensor with unit column stride");
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
+  const int64_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
+  TORCH_CHECK(K > 0, "linear_row_blocks: x has no columns");
+  TORCH_CHECK(w_address != 0 && N > 0 && block_stride >= K * kGemmBlock && blocks * block_stride <= w_floats,
+              "linear_row_blocks: the weight copy (", w_floats, " floats) does not hold ", N, " rows of ", K,
+              " columns in blocks of ", kGemmBlock, " at stride ", block_stride);
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "linear_row_blocks: bias must be a contiguous float32 tensor of ", N, " values");
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (M == 0) return out;
+  const float* xs = x.data_ptr<float>();
+  const float* w = reinterpret_cast<const float*>(w_address);
+  float* o = out.data_ptr<float>();
+  // Rows in chunks that stay in L3 beside the weights; within a chunk the tasks are row blocks, and where
+  // the blocks do not share out evenly over the threads each block's rows are split in two (else 9 blocks
+  // on 2 threads would leave one idle a ninth of the time).
+  constexpr int64_t kChunkRows = 1024;
+  const int64_t threads = at::get_num_threads();
+  const int64_t halves = (blocks % threads != 0 && blocks < 8 * threads && M >= 2 * kTileRows) ? 2 : 1;
+  for (int64_t m_begin = 0; m_begin < M; m_begin += kChunkRows) {
+    const int64_t m_chunk = std::min(kChunkRows, M - m_begin);
+    at::parallel_for(0, blocks * halves, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t blk = task / halves, half = task % halves;
+        const int64_t c0 = blk * kGemmBlock, ncols = std::min(kGemmBlock, N - c0);
+        const int64_t split = m_begin + (halves == 2 ? m_chunk / 2 : m_chunk);
+        const int64_t r_begin = half == 0 ? m_begin : split, r_end = half == 0 ? split : m_begin + m_chunk;
+        const int64_t tiles = (r_end - r_begin + kTileRows - 1) / kTileRows;
+        int64_t r = r_begin;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t left = r_end - r, mr = (left + (tiles - t) - 1) / (tiles - t);  // near-equal tiles
+          kGemmTiles[mr - 1](xs + r * ldx, ldx, w + blk * block_stride, K, o + r * N + c0, N, ncols,
+                             b != nullptr ? b + c0 : nullptr);
+          r += mr;
+        }
+      }
+    });
+  }
+  return out;
+}
+#endif
+
 }  // namespace
 
 // Every kernel releases the GIL while it runs, as torch's own ops do: it touches no Python object,
@@ -466,4 +603,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_rows", &pack_rows, "Rows of a linear weight into its oneDNN-reordered copy in place, and optionally "
         "into the plain weight (CPU, float32)", py::arg("src"), py::arg("row_offset"), py::arg("dst_address"),
         py::arg("dst_floats"), py::arg("block"), py::arg("block_stride"), py::arg("plain") = py::none(), release_gil());
+  m.def("row_blocks_equal", &row_blocks_equal, "Whether a oneDNN-reordered copy holds the weight under pack_rows' "
+        "layout, value for value (CPU, float32)", py::arg("src"), py::arg("dst_address"), py::arg("dst_floats"),
+        py::arg("block"), py::arg("block_stride"), release_gil());
+#if defined(__AVX512F__)
+  m.def("linear_row_blocks", &linear_row_blocks, "x @ W.T (+ bias) from W's oneDNN-reordered copy in 64-row blocks "
+        "(CPU, float32, AVX-512)", py::arg("x"), py::arg("w_address"), py::arg("w_floats"), py::arg("out_features"),
+        py::arg("block_stride"), py::arg("bias") = py::none(), release_gil());
+#endif
 }
