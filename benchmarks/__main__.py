@@ -22,6 +22,7 @@ COMMANDS = {
     "weight_swap": "hot weight swap seconds and stream gaps beside disk floors",
     "serving": "HTTP overhead: streamed /v1/completions vs AsyncEngine.generate per concurrency; req/s, TTFT, ITL",
     "startup": "seconds from AsyncEngine(...) to the first token, cold (fresh process) and warm",
+    "gemm": "the linear layers' GEMMs alone per row count: F.linear vs oneDNN vs the row-block GEMM; GFLOP/s",
     "tp": "tensor parallelism: TP=1 vs TP=2 on the mp executor; tokens/s, communication share, calls per step",
 }
 

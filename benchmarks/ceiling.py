@@ -120,16 +120,19 @@ class GemmPeak:
 def measure_gemm_peak(shapes: tuple[tuple[int, int, int], ...] = GEMM_SHAPES, runs: int = 5) -> GemmPeak:
     """Best of ``runs`` timed GEMMs per shape and path (after one untimed), on torch's threads.
 
-    Two paths, the faster counts: ``F.linear`` (MKL or OpenBLAS) and, where torch has oneDNN, its linear
-    from a reordered weight (what aioengine's ``Linear`` runs on CPU; MKL takes a generic path on AMD
-    CPUs, so F.linear alone can sit well below what the machine does)."""
+    Up to three paths, the fastest counts: ``F.linear`` (MKL or OpenBLAS) and, where torch has oneDNN,
+    its linear from a reordered weight and aioengine's row-block GEMM reading that copy (what ``Linear``
+    runs on CPU, where the kernels have it; MKL takes a generic path on AMD CPUs, so F.linear alone can
+    sit well below what the machine does)."""
     import torch
     import torch.nn.functional as F
 
-    from aioengine.model.layers import cpu_prepack_supported
+    from aioengine.model import cpu_kernels
+    from aioengine.model.layers import Linear, cpu_prepack_supported, set_weight_prepack
     from benchmarks.cpu_load import CpuLoad
 
     onednn = cpu_prepack_supported(torch.device("cpu"), torch.float32)
+    kernels = cpu_kernels.load() if onednn else None
     per_shape: dict[str, float] = {}
     best: tuple[float, tuple[int, int, int]] = (0.0, shapes[0])
     with torch.inference_mode(), CpuLoad() as load:
@@ -139,6 +142,12 @@ def measure_gemm_peak(shapes: tuple[tuple[int, int, int], ...] = GEMM_SHAPES, ru
             if onednn:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
                 paths["oneDNN"] = lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                layer = Linear(k, n, bias=False).requires_grad_(False)
+                layer.weight.copy_(w)
+                layer.kernels = kernels
+                set_weight_prepack(layer, m)
+                if layer._row_blocks is not None:
+                    paths["row blocks"] = lambda x=x, layer=layer: layer(x)
             for name, gemm in paths.items():
                 gemm()
                 seconds = []
