@@ -272,23 +272,40 @@ def packed_linear(kernels: ModuleType | None, out_features: int, in_features: in
     return layer
 
 
+class _WithoutGemm:
+    """The kernels as a build without AVX-512 has them: no row-block GEMM, so a copy is reordered for the
+    layer's own hint."""
+
+    def __init__(self, kernels: ModuleType) -> None:
+        self.kernels = kernels
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "linear_row_blocks":
+            raise AttributeError(name)
+        return getattr(self.kernels, name)
+
+
 @pytest.mark.parametrize(
-    ("out_features", "in_features", "hint"),
-    [(960, 576, 64), (576, 1536, 64), (100, 37, 64), (7, 5, 64), (130, 24, 8), (64, 64, 1), (200, 72, 512)],
-)
+    ("out_features", "in_features", "hint", "gemm"),
+    [(960, 576, 64, True), (576, 1536, 64, True), (100, 37, 64, True), (7, 5, 64, True), (130, 24, 8, True),
+     (64, 64, 1, False), (64, 64, 1, True), (200, 72, 512, True)],
+)  # fmt: skip
 def test_a_stale_packed_copy_is_rewritten_in_place_exactly(
-    kernel: ModuleType, out_features: int, in_features: int, hint: int
+    kernel: ModuleType, out_features: int, in_features: int, hint: int, gemm: bool
 ) -> None:
     """Row counts and column counts off the block and tile sizes (padding in oneDNN's layout), and hints of
     1, 8 and 512 rows: whatever layout oneDNN picks, the copy reads back as the weight, bit for bit;
     rewritten in place where the layout is row blocks, reordered anew where it is not (at one row,
-    oneDNN here keeps the plain layout)."""
-    layer = packed_linear(kernel, out_features, in_features, hint)
+    oneDNN here keeps the plain layout, unless the row-block GEMM has the copy made for 64 rows)."""
+    kernels = kernel if gemm else _WithoutGemm(kernel)
+    layer = packed_linear(kernels, out_features, in_features, hint)  # type: ignore[arg-type]
+    assert layer._packed_for == (max(hint, 64) if hasattr(kernels, "linear_row_blocks") else hint)
+    hint = layer._packed_for
     old = layer._packed
     with torch.no_grad():
         layer.weight.copy_(torch.randn(out_features, in_features))
     layer.mark_packed_stale()
-    in_place = row_block_layout(kernel, out_features, in_features, hint) is not None
+    in_place = row_block_layout(kernels, out_features, in_features, hint) is not None  # type: ignore[arg-type]
     assert layer.pack() == layer.weight.nbytes
     assert (layer._packed is old) == in_place and layer.packed_current()
     assert torch.equal(layer._packed.to_dense(), layer.weight)
@@ -298,8 +315,8 @@ def test_a_stale_packed_copy_is_rewritten_in_place_exactly(
     assert torch.equal(onednn(x, layer._packed, None, "none", [], ""), onednn(x, fresh, None, "none", [], ""))
     # The row-block GEMM reads the rewritten copy where it is in 64-row blocks (which hints give those is
     # oneDNN's choice for the CPU).
-    layout = row_block_layout(kernel, out_features, in_features, hint)
-    row_blocks = hasattr(kernel, "linear_row_blocks") and layout is not None and layout[0] == 64
+    layout = row_block_layout(kernels, out_features, in_features, hint)  # type: ignore[arg-type]
+    row_blocks = hasattr(kernels, "linear_row_blocks") and layout is not None and layout[0] == 64
     assert (layer._row_blocks is not None) == row_blocks
     assert_runs_packed(layer, x)
 

@@ -54,6 +54,8 @@ class Linear(nn.Linear):
     """The storage the copy was made from, held so a swapped-in storage can never reuse its address."""
     _rows_packed: int = 0
     """Rows written into the stale copy by ``write_rows`` since it was marked stale (all: it is current)."""
+    _packed_for: int = 0
+    """The rows oneDNN reordered the copy for (``reorder_hint()`` when it was made): its layout follows."""
     _row_blocks: tuple[int, int, int] | None = None
     """``(address, floats, block_stride)`` of the copy where ``kernels.linear_row_blocks`` reads it (64-row
     blocks, checked against the weight); None: oneDNN's GEMM."""
@@ -78,7 +80,8 @@ class Linear(nn.Linear):
         weight = self.weight.detach()
         if not self._pack_in_place(weight):
             try:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.prepack_hint)
+                self._packed_for = self.reorder_hint()
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, self._packed_for)
             except RuntimeError as exc:  # e.g. a dtype this CPU's oneDNN has no kernel for
                 logger.warning("oneDNN weight reorder failed (%s); this layer runs F.linear", exc)
                 self.prepack_hint = None
@@ -110,6 +113,15 @@ class Linear(nn.Linear):
             assert self._packed is not None
             self._row_blocks = torch.ops.mkldnn.data_ptr(self._packed), _packed_floats(self._packed), layout[1]
         return True
+
+    def reorder_hint(self) -> int:
+        """The rows a fresh copy is reordered for: ``prepack_hint``, but at least 64 where the row-block
+        GEMM can read the copy. It runs every row count itself, and oneDNN lays out a copy for 64 rows in
+        the 64-row blocks it reads, where for fewer it may pick another layout (at one row, the plain one)."""
+        assert self.prepack_hint is not None
+        if hasattr(self.kernels, "linear_row_blocks"):
+            return max(self.prepack_hint, _GEMM_BLOCK)
+        return self.prepack_hint
 
     def _checked_row_blocks(self, weight: torch.Tensor) -> tuple[int, int, int] | None:
         """The copy just made by oneDNN, as ``linear_row_blocks`` reads it, if it holds ``weight`` in 64-row
@@ -147,7 +159,7 @@ class Linear(nn.Linear):
             return None
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
             return None
-        return row_block_layout(kernels, weight.shape[0], weight.shape[1], self.prepack_hint)
+        return row_block_layout(kernels, weight.shape[0], weight.shape[1], self._packed_for)
 
     def _write_packed(
         self, src: torch.Tensor, offset: int, layout: tuple[int, int], plain: torch.Tensor | None
