@@ -33,7 +33,7 @@ import transformers
 
 from aioengine import AsyncEngine
 from benchmarks import hf_baselines, report, vllm_cpu
-from benchmarks.ceiling import Ceiling, ceiling, measure_gemm_peak
+from benchmarks.ceiling import Ceiling, ceiling, measure_gemm_peak_apart
 from benchmarks.engine_run import EngineRun, engine_config, run_offline
 from benchmarks.floors import measure_floors
 from benchmarks.online import serve_poisson
@@ -109,8 +109,9 @@ def start_vllm(path: Path, reqs: list[BenchRequest], args: argparse.Namespace) -
 
 
 def measure_ceiling(path: Path, reqs: list[BenchRequest]) -> Ceiling:
-    """The GEMM peak on torch's threads now (nothing else of ours running), and the workload's FLOPs."""
-    result = ceiling(path, reqs, measure_gemm_peak())
+    """The GEMM peak on torch's threads now (nothing else of ours running; in a process of its own), and the
+    workload's FLOPs."""
+    result = ceiling(path, reqs, measure_gemm_peak_apart())
     log(
         f"ceiling: GEMM peak {result.peak.flops_per_s / 1e9:.1f} GFLOP/s, "
         f"{result.tokens_per_s:.0f} tok/s ({result.tokens_per_s_without_attention:.0f} without attention)"
