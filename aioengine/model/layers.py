@@ -40,8 +40,8 @@ class Linear(nn.Linear):
 
     Where the kernels have ``linear_row_blocks`` (AVX-512 builds) and the copy is laid out in 64-row
     blocks (checked value for value each time it is made), the GEMM runs there instead of in oneDNN,
-    reading the same copy: 1.2-1.6x oneDNN's speed for the 1-64 rows of a decode step, level from
-    1024 rows (``python -m benchmarks gemm``).
+    reading the same copy: 1.05-1.75x oneDNN's speed for the 1-64 rows of a decode step, level from
+    128 rows (``python -m benchmarks gemm``).
     """
 
     prepack_hint: int | None = None
@@ -107,11 +107,8 @@ class Linear(nn.Linear):
         if self._rows_packed != weight.shape[0]:
             self._write_packed(weight, 0, layout, None)
         self._rows_packed = 0
-        if layout[0] != _GEMM_BLOCK or not hasattr(self.kernels, "linear_row_blocks"):
-            self._row_blocks = None
-        elif self._row_blocks is None or self._row_blocks[2] != layout[1]:  # every row is written under layout
-            assert self._packed is not None
-            self._row_blocks = torch.ops.mkldnn.data_ptr(self._packed), _packed_floats(self._packed), layout[1]
+        # Every row is now written under the proven layout, so the GEMM may read it if it is 64-row blocks.
+        self._row_blocks = self._row_blocks_at(layout[1]) if layout[0] == _GEMM_BLOCK else None
         return True
 
     def reorder_hint(self) -> int:
@@ -119,25 +116,31 @@ class Linear(nn.Linear):
         GEMM can read the copy. It runs every row count itself, and oneDNN lays out a copy for 64 rows in
         the 64-row blocks it reads, where for fewer it may pick another layout (at one row, the plain one)."""
         assert self.prepack_hint is not None
-        if hasattr(self.kernels, "linear_row_blocks"):
+        if _has_row_block_gemm(self.kernels):
             return max(self.prepack_hint, _GEMM_BLOCK)
         return self.prepack_hint
+
+    def _row_blocks_at(self, stride: int) -> tuple[int, int, int] | None:
+        """``_row_blocks`` of the copy read as 64-row blocks at ``stride``; None without the GEMM."""
+        if self._packed is None or not _has_row_block_gemm(self.kernels):
+            return None
+        return torch.ops.mkldnn.data_ptr(self._packed), _packed_floats(self._packed), stride
 
     def _checked_row_blocks(self, weight: torch.Tensor) -> tuple[int, int, int] | None:
         """The copy just made by oneDNN, as ``linear_row_blocks`` reads it, if it holds ``weight`` in 64-row
         blocks value for value (one read of each); else None (oneDNN's GEMM reads it)."""
         kernels, packed = self.kernels, self._packed
-        if kernels is None or packed is None or not hasattr(kernels, "linear_row_blocks"):
+        if kernels is None or packed is None or not _has_row_block_gemm(kernels):
             return None
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
             return None
         floats, blocks = _packed_floats(packed), -(-weight.shape[0] // _GEMM_BLOCK)
         if floats % blocks or floats // blocks < weight.shape[1] * _GEMM_BLOCK:
             return None
-        address, stride = torch.ops.mkldnn.data_ptr(packed), floats // blocks
-        if not kernels.row_blocks_equal(weight, address, floats, _GEMM_BLOCK, stride):
+        view = self._row_blocks_at(floats // blocks)
+        if view is None or not kernels.row_blocks_equal(weight, view[0], floats, _GEMM_BLOCK, view[2]):
             return None
-        return address, floats, stride
+        return view
 
     def write_rows(self, offset: int, piece: torch.Tensor, src: torch.Tensor) -> bool:
         """Copies ``src`` into rows ``[offset, offset + len(src))`` of the weight (``piece`` is that view of
@@ -185,6 +188,11 @@ class Linear(nn.Linear):
 
 _GEMM_BLOCK = 64
 """The row block of the copies ``linear_row_blocks`` reads."""
+
+
+def _has_row_block_gemm(kernels: ModuleType | None) -> bool:
+    """Whether these kernels have ``linear_row_blocks`` (AVX-512 builds do)."""
+    return hasattr(kernels, "linear_row_blocks")
 
 
 def _packed_floats(packed: torch.Tensor) -> int:

@@ -24,8 +24,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <utility>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
