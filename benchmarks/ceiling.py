@@ -131,8 +131,9 @@ def measure_gemm_peak(shapes: tuple[tuple[int, int, int], ...] = GEMM_SHAPES, ru
     import torch.nn.functional as F
 
     from aioengine.model import cpu_kernels
-    from aioengine.model.layers import Linear, cpu_prepack_supported, set_weight_prepack
+    from aioengine.model.layers import cpu_prepack_supported
     from benchmarks.cpu_load import CpuLoad
+    from benchmarks.gemm import packed as packed_linear  # gemm imports this module: imported here
 
     onednn = cpu_prepack_supported(torch.device("cpu"), torch.float32)
     kernels = cpu_kernels.load() if onednn else None
@@ -145,10 +146,7 @@ def measure_gemm_peak(shapes: tuple[tuple[int, int, int], ...] = GEMM_SHAPES, ru
             if onednn:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
                 paths["oneDNN"] = lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                layer = Linear(k, n, bias=False).requires_grad_(False)
-                layer.weight.copy_(w)
-                layer.kernels = kernels
-                set_weight_prepack(layer, m)
+                layer = packed_linear(w, kernels, m)
                 if layer._row_blocks is not None:
                     paths["row blocks"] = lambda x=x, layer=layer: layer(x)
             for name, gemm in paths.items():

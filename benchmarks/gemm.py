@@ -36,9 +36,11 @@ def layer_shapes(shape: ModelShape) -> list[tuple[int, int]]:
     return [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
 
 
-def packed(out_features: int, in_features: int, kernels: object, hint: int) -> Linear:
-    layer = Linear(in_features, out_features, bias=False).requires_grad_(False)
-    torch.nn.init.normal_(layer.weight, std=0.02)
+def packed(weight: torch.Tensor, kernels: object, hint: int) -> Linear:
+    """A served ``Linear`` holding ``weight`` [out, in], packed for ``hint`` rows, on ``kernels`` (None: oneDNN)."""
+    layer = Linear(weight.shape[1], weight.shape[0], bias=False).requires_grad_(False)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
     layer.kernels = kernels  # type: ignore[assignment]
     set_weight_prepack(layer, hint)
     return layer
@@ -115,8 +117,9 @@ def main() -> None:
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
     with torch.inference_mode():
-        layers = [packed(o, i, kernels, hint) for _ in range(shape.num_layers) for o, i in layer_shapes(shape)]
-        head = [packed(shape.vocab_size, shape.hidden_size, kernels, hint)]
+        shapes = layer_shapes(shape) * shape.num_layers
+        layers = [packed(torch.randn(o, i) * 0.02, kernels, hint) for o, i in shapes]
+        head = [packed(torch.randn(shape.vocab_size, shape.hidden_size) * 0.02, kernels, hint)]
         print(f"{args.model}: {shape.num_layers} layers of {layer_shapes(shape)}, lm_head {shape.vocab_size}x"
               f"{shape.hidden_size}; packed for {hint} rows; {torch.get_num_threads()} torch threads\n")  # fmt: skip
         print(table("decoder layers", {r: best_rates(layers, r, args.repeats) for r in rows}) + "\n")
