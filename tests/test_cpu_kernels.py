@@ -380,6 +380,33 @@ def test_write_rows_fills_the_weight_and_its_packed_copy_in_one_pass(
     assert layer._packed is old and torch.equal(layer._packed.to_dense(), want)
 
 
+@pytest.mark.parametrize("block", [8, 16, 64])
+@pytest.mark.parametrize("misaligned", [0, 4])  # floats off a 64-byte line: the destination's line stores
+@pytest.mark.parametrize(("offset", "rows", "columns"), [(0, 128, 40), (16, 48, 8), (5, 90, 44), (24, 17, 3)])
+def test_pack_rows_writes_the_row_block_layout_at_any_alignment(
+    kernel: ModuleType, block: int, misaligned: int, offset: int, rows: int, columns: int
+) -> None:
+    """Element (o, i) lands at (o // block) * stride + i * block + o % block, and the plain rows are an exact
+    copy, whether or not the destinations start on a cache line (whole 16-row lines are stored past the
+    caches only where they do) and wherever the piece starts; nothing outside the piece is touched."""
+    total, stride = offset + rows, columns * block + 16
+    num_blocks = -(-total // block)
+    buffer = torch.full((num_blocks * stride + 32,), -1.0)
+    start = (-buffer.data_ptr() // 4) % 16 + misaligned  # floats to the first 64-byte line, then off it
+    src = torch.randn(rows, columns)
+    plain_buffer = torch.full((rows * columns + 32,), -1.0)
+    plain_start = (-plain_buffer.data_ptr() // 4) % 16 + misaligned
+    plain = plain_buffer[plain_start : plain_start + rows * columns].view(rows, columns)
+    kernel.pack_rows(src, offset, buffer.data_ptr() + 4 * start, num_blocks * stride, block, stride, plain)
+    o = torch.arange(offset, total).unsqueeze(1)
+    i = torch.arange(columns).unsqueeze(0)
+    want = torch.full_like(buffer, -1.0)
+    want[start + (o // block) * stride + i * block + o % block] = src
+    assert torch.equal(buffer, want)
+    assert torch.equal(plain, src)
+    assert (plain_buffer[:plain_start] == -1).all() and (plain_buffer[plain_start + rows * columns :] == -1).all()
+
+
 def test_write_rows_declines_what_it_cannot_write_in_one_pass(kernel: ModuleType) -> None:
     layer = packed_linear(kernel, 96, 64)
     before = layer.weight.detach().clone()
