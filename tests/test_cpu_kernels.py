@@ -566,17 +566,23 @@ def linears(worker: Any) -> list[Linear]:
     return [m for m in worker.model_runner.model.modules() if isinstance(m, Linear)]
 
 
-def speed_paths(worker: Any) -> tuple[bool, bool, bool]:
-    """(decode attention runs the C++ kernel, every Linear runs packed, every Linear runs the row-block
-    GEMM) on this worker."""
+def speed_paths(worker: Any) -> tuple[bool, bool, bool, bool]:
+    """(decode attention runs the C++ kernel, prefill attention does, every Linear runs packed, every Linear
+    runs the row-block GEMM) on this worker."""
     runner = worker.model_runner
     assert runner.decode_runner is None or runner.decode_runner.decode_kernel is runner.decode_kernel
     layers = linears(worker)
     return (
         runner.decode_kernel is not None,
+        runner.prefill_kernel is not None,
         all(m.prepack_hint is not None for m in layers),
         all(m._row_blocks is not None for m in layers),
     )
+
+
+def avx512(kernel: ModuleType) -> bool:
+    """Whether the build has the AVX-512 kernels (the row-block GEMM and the prefill attention)."""
+    return hasattr(kernel, "linear_row_blocks") and hasattr(kernel, "paged_prefill_attention")
 
 
 @pytest.fixture(scope="module")
@@ -592,8 +598,8 @@ async def test_concurrent_greedy_tokens_equal_hf_with_the_speed_paths_on_or_off(
     on = switches.startswith("on")
     compile_cfg = {"enforce_eager": switches.endswith("eager")}  # eager: pure decode steps via prepare_inputs too
     async with make_engine(llama_ckpt, device={} if on else OFF, compile=compile_cfg) as engine:
-        gemm = on and hasattr(kernel, "linear_row_blocks")
-        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (on, on, gemm)
+        wide = on and avx512(kernel)
+        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (on, wide, on, wide)
         assert await greedy(engine) == hf_tokens
 
 
@@ -603,7 +609,7 @@ async def test_engine_without_a_kernel_build_serves_on_the_torch_path(
 ) -> None:  # fmt: skip
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # what load() gives where the build fails
     async with make_engine(llama_ckpt) as engine:
-        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (False, True, False)
+        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (False, False, True, False)
         assert await greedy(engine) == hf_tokens
 
 
@@ -616,8 +622,8 @@ async def test_update_weights_with_packed_weights_gives_the_new_checkpoints_toke
     async with make_engine(llama_ckpt) as engine:
         before = await greedy(engine)
         await engine.update_weights(ckpt_b)
-        gemm = hasattr(kernel, "linear_row_blocks")
-        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (True, True, gemm)
+        wide = avx512(kernel)
+        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (True, wide, True, wide)
         assert await greedy(engine) == want
     assert all(a != b for a, b in zip(before, want, strict=True)), "A and B must disagree for the swap to show"
 

@@ -42,6 +42,10 @@ class AttentionMetadata:
     """CPU float32: the C++ paged decode attention (``cpu_kernels``), which reads each row's own context
     in place; it needs ``decode_context_lens`` and ignores the mask and groups. None: the torch path."""
     decode_context_lens: torch.Tensor | None = None  # [Bd] int64, position + 1 of each decode token
+    prefill_kernel: Callable[..., None] | None = None
+    """CPU float32 (AVX-512 builds): the C++ causal attention of a prefill chunk (``cpu_kernels``), which reads
+    the chunk's whole context, its own K and V included (written first), from the cache through its block ids.
+    None: SDPA."""
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -66,7 +70,10 @@ def paged_attention(
         out[:nd] = _decode(q[:nd], kv_cache, meta, scale)
     for chunk in meta.prefills:
         s, n = chunk.token_start, chunk.num_tokens
-        out[s : s + n] = _prefill(q[s : s + n], k[s : s + n], v[s : s + n], kv_cache, chunk, scale)
+        if meta.prefill_kernel is not None:
+            meta.prefill_kernel(q[s : s + n], kv_cache, chunk.block_ids, chunk.start_pos, scale, out[s : s + n])
+        else:
+            out[s : s + n] = _prefill(q[s : s + n], k[s : s + n], v[s : s + n], kv_cache, chunk, scale)
     return out
 
 

@@ -83,6 +83,9 @@ class ModelRunner:
         """Tokens the last sampling step chose, by request: what ``PLACEHOLDER_TOKEN_ID`` stands for."""
         self.decode_kernel: Callable[..., None] | None = None
         """The C++ paged decode attention where it applies (``device.cpu_kernels``, CPU, float32)."""
+        self.prefill_kernel: Callable[..., None] | None = None
+        """The C++ prefill attention where it applies: as ``decode_kernel``, in AVX-512 builds, head size a
+        multiple of 16."""
 
     # ---- set-up ------------------------------------------------------------------------------------
     def load_model(self, path: str) -> None:
@@ -122,6 +125,8 @@ class ModelRunner:
             kernels = cpu_kernels.load()
             if kernels is not None:
                 self.decode_kernel = kernels.paged_decode_attention
+                if cfg.head_dim % 16 == 0:
+                    self.prefill_kernel = getattr(kernels, "paged_prefill_attention", None)
                 self.sampler = Sampler(argmax=kernels.argmax_rows)
                 use_cpu_kernels(self.model, kernels)
         self.prepack_weights()  # after the kernels: with them a copy may be read by their GEMM
@@ -292,6 +297,7 @@ class ModelRunner:
             decode_groups=_on_device(groups, dev),
             decode_kernel=self.decode_kernel,
             decode_context_lens=decode_lens,
+            prefill_kernel=self.prefill_kernel,
         )
         input_ids = torch.tensor([t for r in reqs for t in r.token_ids], device=dev)
         indices = cu[sample_rows] - 1
