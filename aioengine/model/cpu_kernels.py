@@ -1,16 +1,20 @@
 """aioengine's C++ kernels for CPU, built on first use with torch's extension builder and cached.
 
-``csrc/cpu_kernels.cpp`` holds paged decode attention, which reads K and V in place through the
-block tables instead of gathering the context into a copy first (what makes decode attention cheap
-on CPU), ``argmax_rows`` for greedy sampling, and the fused elementwise layers: ``rms_norm``,
+``csrc/`` holds them, one file per kind (``csrc/module.cpp`` lists them all): paged decode attention,
+which reads K and V in place through the block tables instead of gathering the context into a copy first
+(what makes decode attention cheap on CPU), and in AVX-512 builds the causal attention of a prompt chunk
+(``attention.cpp``); ``argmax_rows`` for greedy sampling and the fused elementwise layers ``rms_norm``,
 ``add_rms_norm`` (the residual add and the norm after it in one pass), ``rotary_inplace`` and
-``silu_and_mul``. The plain torch paths (``attention.py``, ``torch.argmax``, the layers' own torch
-code) stay as the fallback and the reference they are tested against.
+``silu_and_mul`` (``elementwise.cpp``); the in-place rewrite of oneDNN-reordered weights on a swap and,
+in AVX-512 builds, the GEMM that reads them (``packed_linear.cpp``). The plain torch paths
+(``attention.py``, ``torch.argmax``, the layers' own torch code) stay as the fallback and the reference
+they are tested against.
 
 The build needs a C++ compiler and ninja; it takes about half a minute once, then loads from torch's
 extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) in milliseconds.
 It is compiled for this CPU (``-march=native``), so the build's name carries a hash of the CPU's
-model and flags: a cache shared between different machines never hands one the other's build.
+model and flags: a cache shared between different machines never hands one the other's build. It also
+carries a hash of the headers, which torch's builder does not look at.
 Without a compiler, or if the build fails, ``load()`` returns None once with a warning naming the
 reason, and the engine runs the torch path.
 """
@@ -29,7 +33,9 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("csrc") / "cpu_kernels.cpp"]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / name for name in ("module.cpp", "attention.cpp", "elementwise.cpp", "packed_linear.cpp")]
+_HEADERS = [_CSRC / "common.h", _CSRC / "kernels.h"]
 # Vectorised reductions without -ffast-math (which may link crtfastmath and set flush-to-zero for the
 # whole process).
 _CFLAGS = [
@@ -42,6 +48,11 @@ _CFLAGS = [
     "-fopenmp",
 ]
 _lock = threading.Lock()
+
+
+def _headers_fingerprint() -> str:
+    """A hash of the headers: torch rebuilds when a source or a flag changes, not when a header does."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in _HEADERS)).hexdigest()[:8]
 
 
 def _cpu_fingerprint() -> str:
@@ -87,7 +98,10 @@ def _build() -> ModuleType:
     logger.info("loading aioengine's CPU kernels (the first run on a machine builds them: about 30 s)")
     start = time.perf_counter()
     module = load_extension(
-        f"aioengine_cpu_kernels_{_cpu_fingerprint()}", [str(p) for p in _SOURCES], extra_cflags=_CFLAGS, verbose=False
+        f"aioengine_cpu_kernels_{_cpu_fingerprint()}_{_headers_fingerprint()}",
+        [str(p) for p in _SOURCES],
+        extra_cflags=_CFLAGS,
+        verbose=False,
     )
     seconds = time.perf_counter() - start
     if seconds > 2:

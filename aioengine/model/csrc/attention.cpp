@@ -1,0 +1,321 @@
+// Attention over the paged KV cache [2, blocks, block_size, kv_heads, head_size], float32: decode (one query
+// token per row) and, in AVX-512 builds, a prompt chunk (causal).
+
+#include "common.h"
+#include "kernels.h"
+
+namespace aioengine_cpu {
+
+// One query head against one block of keys: s[t] = scale * q . k_t for t < n, key t at k + t * stride.
+// kD is the head size when known at compile time (the loops then unroll), 0 to take D at run time.
+template <int64_t kD>
+void block_scores(const float* q, const float* k, int64_t stride, int64_t n, int64_t D, float scale, float* s) {
+  if (kD) D = kD;
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {  // four keys at once: q is loaded once for them, and summed in one go
+    vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    const float* k0 = k + t * stride;
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+      const vec8 qq = load8(q + d);
+      a0 += qq * load8(k0 + d);
+      a1 += qq * load8(k0 + stride + d);
+      a2 += qq * load8(k0 + 2 * stride + d);
+      a3 += qq * load8(k0 + 3 * stride + d);
+    }
+    sum8x4(a0, a1, a2, a3, s + t);
+    for (; d < D; ++d) {
+      for (int64_t i = 0; i < 4; ++i) s[t + i] += q[d] * k0[i * stride + d];
+    }
+  }
+  for (; t < n; ++t) {
+    const float* kt = k + t * stride;
+    vec8 a = {};
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) a += load8(q + d) * load8(kt + d);
+    float sum = sum8(a);
+    for (; d < D; ++d) sum += q[d] * kt[d];
+    s[t] = sum;
+  }
+  for (t = 0; t < n; ++t) s[t] *= scale;
+}
+
+// acc = acc * c + sum over t < n of p[t] * v_t, value t at v + t * stride; acc stays in registers.
+template <int64_t kD>
+void block_values(float* acc, float c, const float* p, const float* v, int64_t stride, int64_t n, int64_t D) {
+  if (kD) {
+    vec8 a[kD / 8];
+    for (int64_t i = 0; i < kD / 8; ++i) a[i] = load8(acc + 8 * i) * c;
+    for (int64_t t = 0; t < n; ++t) {
+      const float w = p[t];
+      const float* vt = v + t * stride;
+      for (int64_t i = 0; i < kD / 8; ++i) a[i] += load8(vt + 8 * i) * w;
+    }
+    for (int64_t i = 0; i < kD / 8; ++i) store8(acc + 8 * i, a[i]);
+    return;
+  }
+  for (int64_t d = 0; d < D; ++d) acc[d] *= c;
+  for (int64_t t = 0; t < n; ++t) {
+    const float w = p[t];
+    const float* vt = v + t * stride;
+    for (int64_t d = 0; d < D; ++d) acc[d] += w * vt[d];
+  }
+}
+
+// q [B, H, D]; kv_cache [2, num_blocks, block_size, Hkv, D]; block_tables [B, W] int64;
+// context_lens [B] int64 (row b attends to positions 0 .. context_lens[b]-1); out [B, H, D].
+// Query head h reads KV head h / (H / Hkv), as HF's repeat_kv does.
+//
+// Decode attention reads every row's whole context from memory, so at large batches its cost is
+// memory traffic. A task is one row and a run of its KV heads (all of them when there are rows
+// enough to keep every thread busy), walking the row's blocks once: each block's keys and values
+// are read once, for every query head of the task, in the cache's own order (whole token rows when
+// the task has every head). The softmax is taken online, a running maximum and sum per head with
+// the values accumulated so far rescaled when the maximum grows, so nothing the size of the context
+// is stored.
+template <int64_t kD>
+void paged_decode_attention_impl(const float* qp, const float* kp, const float* vp, const int64_t* bt,
+                                 const int64_t* cl, float* op, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                                 int64_t bs, int64_t W, float scale) {
+  const int64_t G = H / Hkv, token_stride = Hkv * D;
+  const int64_t heads_per_task = B >= 4 * at::get_num_threads() ? Hkv : 1;
+  const int64_t tasks_per_row = Hkv / heads_per_task;
+  at::parallel_for(0, B * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
+    const int64_t hq_count = heads_per_task * G;
+    std::vector<float> scores(hq_count * bs), running_max(hq_count), running_sum(hq_count), acc(hq_count * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / tasks_per_row, h0 = (task % tasks_per_row) * heads_per_task, L = cl[b];
+      const int64_t* table = bt + b * W;
+      const float* qb = qp + (b * H + h0 * G) * D;  // the task's query heads, hq_count of them
+      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(running_sum.begin(), running_sum.end(), 0.f);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j * bs < L; ++j) {
+        const int64_t n = std::min(bs, L - j * bs);
+        const int64_t base = table[j] * bs * token_stride + h0 * D;
+        for (int64_t hq = 0; hq < hq_count; ++hq) {
+          const int64_t kv_offset = base + (hq / G) * D;
+          float* s = scores.data() + hq * bs;
+          block_scores<kD>(qb + hq * D, kp + kv_offset, token_stride, n, D, scale, s);
+          const float m = std::max(running_max[hq], *std::max_element(s, s + n));
+          float sum = 0.f;
+          for (int64_t t = 0; t < n; ++t) {
+            s[t] = exp_approx(s[t] - m);
+            sum += s[t];
+          }
+          const float correction = exp_approx(running_max[hq] - m);  // 0 on the first block
+          running_sum[hq] = running_sum[hq] * correction + sum;
+          running_max[hq] = m;
+          block_values<kD>(acc.data() + hq * D, correction, s, vp + kv_offset, token_stride, n, D);
+        }
+      }
+      float* ob = op + (b * H + h0 * G) * D;
+      for (int64_t hq = 0; hq < hq_count; ++hq) {
+        const float inv = 1.f / running_sum[hq];
+        for (int64_t d = 0; d < D; ++d) ob[hq * D + d] = acc[hq * D + d] * inv;
+      }
+    }
+  });
+}
+
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale, at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2 && context_lens.dim() == 1,
+              "paged_decode_attention: q [B,H,D], kv_cache [2,N,bs,Hkv,D], block_tables [B,W], context_lens [B]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_decode_attention: float32 only");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "paged_decode_attention: block_tables and context_lens must be int64");
+  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
+              "paged_decode_attention: q, kv_cache and out must be contiguous, out shaped like q");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == D && Hkv > 0 && H % Hkv == 0,
+              "paged_decode_attention: kv_cache does not match q's heads / head size");
+  TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "paged_decode_attention: one table row per query");
+  const int64_t W = block_tables.size(1);
+  const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  const int64_t* bt = tables.data_ptr<int64_t>();
+  const int64_t* cl = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {  // checked here, not inside the parallel region
+    TORCH_CHECK(cl[b] >= 1 && cl[b] <= W * bs, "paged_decode_attention: context length ", cl[b], " of row ", b,
+                " outside 1..", W * bs);
+    for (int64_t j = 0; j < (cl[b] + bs - 1) / bs; ++j) {
+      TORCH_CHECK(bt[b * W + j] >= 0 && bt[b * W + j] < num_blocks, "paged_decode_attention: block id ",
+                  bt[b * W + j], " of row ", b, " outside 0..", num_blocks - 1);
+    }
+  }
+  const float* kp = kv_cache.data_ptr<float>();
+  const float* vp = kp + num_blocks * bs * Hkv * D;
+  const auto run = D == 64 ? paged_decode_attention_impl<64>
+                   : D == 128 ? paged_decode_attention_impl<128>
+                              : paged_decode_attention_impl<0>;
+  run(q.data_ptr<float>(), kp, vp, bt, cl, out.data_ptr<float>(), B, H, Hkv, D, bs, W, static_cast<float>(scale));
+}
+
+#if defined(__AVX512F__)
+constexpr int64_t kKeys = 16;  // keys scored at once: one vector of scores per query row
+constexpr int kRows = 8;       // query rows of one task
+
+// One tile of R query rows (at positions first_pos ..) of one head against every key they see: scores of 16
+// keys at once from the transposed keys ktg [D][Lp], an online softmax per row, and the value rows (value t at
+// vp + vslot[t]) accumulated in acc [R][D]; out gets row r at out + r * out_row.
+template <int R>
+void prefill_tile(const float* q, int64_t q_row, const float* ktg, int64_t Lp, const float* vp, const int64_t* vslot,
+                  int64_t D, int64_t first_pos, float scale, float* acc, float* out, int64_t out_row) {
+  alignas(64) float p[R][kKeys];
+  float m[R], l[R], corr[R];
+  for (int r = 0; r < R; ++r) {
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+  }
+  std::fill(acc, acc + R * D, 0.f);
+  const int64_t last_pos = first_pos + R - 1;  // the tile's last row sees keys 0 .. last_pos
+  for (int64_t c0 = 0; c0 <= last_pos; c0 += kKeys) {
+    __m512 s[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 kv = _mm512_loadu_ps(ktg + d * Lp + c0);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * q_row + d]), kv, s[r]);
+    }
+    const int64_t keys = std::min(kKeys, last_pos + 1 - c0);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t visible = std::min<int64_t>(kKeys, first_pos + r + 1 - c0);  // causal: keys <= position
+      if (visible <= 0) {
+        corr[r] = 1.f;
+        _mm512_store_ps(p[r], _mm512_setzero_ps());
+        continue;
+      }
+      const __mmask16 mask = static_cast<__mmask16>(visible >= 16 ? 0xFFFF : (1u << visible) - 1);
+      const __m512 sc = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
+      const float mx = std::max(m[r], _mm512_mask_reduce_max_ps(mask, sc));
+      const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
+      corr[r] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mx)));  // ~0 on the first chunk (acc is 0 then)
+      l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(e);
+      m[r] = mx;
+      _mm512_store_ps(p[r], e);
+    }
+    // acc[r] = acc[r] * corr[r] + sum over the chunk's keys t of p[r][t] * V[t], four rows and 64 columns at a time
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int64_t nv = std::min<int64_t>(4, (D - d0) / 16);
+      auto values = [&](auto rows_const, int r0) {
+        constexpr int RH = decltype(rows_const)::value;
+        __m512 a[RH][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < RH; ++r)
+          for (int v = 0; v < 4; ++v)
+            a[r][v] = v < nv ? _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + r) * D + d0 + 16 * v),
+                                             _mm512_set1_ps(corr[r0 + r]))
+                             : _mm512_setzero_ps();
+        for (int64_t t = 0; t < keys; ++t) {
+          const float* vt = vp + vslot[c0 + t] + d0;
+          if (nv == 4) {
+            const __m512 v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16), v2 = _mm512_loadu_ps(vt + 32),
+                         v3 = _mm512_loadu_ps(vt + 48);
+#pragma GCC unroll 4
+            for (int r = 0; r < RH; ++r) {
+              const __m512 w = _mm512_set1_ps(p[r0 + r][t]);
+              a[r][0] = _mm512_fmadd_ps(w, v0, a[r][0]);
+              a[r][1] = _mm512_fmadd_ps(w, v1, a[r][1]);
+              a[r][2] = _mm512_fmadd_ps(w, v2, a[r][2]);
+              a[r][3] = _mm512_fmadd_ps(w, v3, a[r][3]);
+            }
+          } else {
+            for (int v = 0; v < nv; ++v) {
+              const __m512 vv = _mm512_loadu_ps(vt + 16 * v);
+              for (int r = 0; r < RH; ++r) a[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(p[r0 + r][t]), vv, a[r][v]);
+            }
+          }
+        }
+        for (int r = 0; r < RH; ++r)
+          for (int v = 0; v < nv; ++v) _mm512_storeu_ps(acc + (r0 + r) * D + d0 + 16 * v, a[r][v]);
+      };
+      if constexpr (R >= 4) values(std::integral_constant<int, 4>{}, 0);
+      else values(std::integral_constant<int, R>{}, 0);
+      if constexpr (R > 4) values(std::integral_constant<int, R - 4>{}, 4);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) out[r * out_row + d] = acc[r * D + d] * inv;
+  }
+}
+
+using PrefillTile = void (*)(const float*, int64_t, const float*, int64_t, const float*, const int64_t*, int64_t,
+                             int64_t, float, float*, float*, int64_t);
+template <int... R>
+constexpr std::array<PrefillTile, sizeof...(R)> prefill_tiles(std::integer_sequence<int, R...>) {
+  return {&prefill_tile<R + 1>...};
+}
+constexpr auto kPrefillTiles = prefill_tiles(std::make_integer_sequence<int, kRows>{});
+
+void prefill_impl(const float* q, int64_t q_row, int64_t q_head, const float* kp, const float* vp,
+                  const int64_t* blocks, int64_t bs, int64_t H, int64_t Hkv, int64_t D, int64_t start, int64_t n,
+                  float scale, float* out) {
+  const int64_t G = H / Hkv, token_stride = Hkv * D, L = start + n, Lp = (L + kKeys - 1) / kKeys * kKeys;
+  std::vector<int64_t> slots(L);
+  for (int64_t pos = 0; pos < L; ++pos) slots[pos] = (blocks[pos / bs] * bs + pos % bs) * token_stride;
+  // Every KV head's keys transposed, [g][d][Lp] (zero past L): a chunk of 16 keys is then one vector per d.
+  std::unique_ptr<float[]> kt(new float[Hkv * D * Lp]);  // every element written below
+  at::parallel_for(0, Hkv * (Lp / kKeys), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task / (Lp / kKeys), c0 = (task % (Lp / kKeys)) * kKeys;
+      float* dst = kt.get() + g * D * Lp + c0;
+      for (int64_t t = c0; t < c0 + kKeys; ++t) {
+        const float* k = kp + slots[std::min(t, L - 1)] + g * D;
+        for (int64_t d = 0; d < D; ++d) dst[d * Lp + (t - c0)] = t < L ? k[d] : 0.f;
+      }
+    }
+  });
+  const int64_t tiles = (n + kRows - 1) / kRows;
+  at::parallel_for(0, H * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(kRows * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / tiles, tile = task % tiles, g = h / G;
+      const int64_t i0 = tile * kRows, rows = std::min<int64_t>(kRows, n - i0);
+      kPrefillTiles[rows - 1](q + i0 * q_row + h * q_head, q_row, kt.get() + g * D * Lp, Lp, vp + g * D,
+                              slots.data(), D, start + i0, scale, acc.data(), out + (i0 * H + h) * D, H * D);
+    }
+  });
+}
+
+// Causal attention of one prefill chunk: q [n, H, D] (rows and heads at any stride, D contiguous) at positions
+// start .. start + n - 1, against the whole context 0 .. start + n - 1 in kv_cache [2, N, bs, Hkv, D] through
+// block_ids (the chunk's own K and V written there first); out [n, H, D]. SDPA on CPU reaches 60-85 GFLOP/s
+// on a chunk of 100-500 tokens here; this keeps 16 keys' scores of up to 8 query rows in registers (keys
+// transposed once per KV head), takes the softmax online and accumulates the values in registers.
+void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_ids,
+                             int64_t start, double scale, at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_ids.dim() == 1,
+              "paged_prefill_attention: q [n,H,D], kv_cache [2,N,bs,Hkv,D], block_ids [blocks]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_prefill_attention: float32 only");
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong, "paged_prefill_attention: block_ids must be int64");
+  TORCH_CHECK(q.stride(2) == 1 && kv_cache.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
+              "paged_prefill_attention: q's head size must be contiguous, kv_cache and out contiguous, out shaped "
+              "like q");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == D && Hkv > 0 && H % Hkv == 0,
+              "paged_prefill_attention: kv_cache does not match q's heads / head size");
+  TORCH_CHECK(D % 16 == 0, "paged_prefill_attention: head size ", D, " is not a multiple of 16");
+  TORCH_CHECK(n > 0 && start >= 0, "paged_prefill_attention: no query rows, or a negative start");
+  const at::Tensor ids = block_ids.contiguous();
+  const int64_t* bt = ids.data_ptr<int64_t>();
+  const int64_t needed = (start + n + bs - 1) / bs;
+  TORCH_CHECK(ids.numel() >= needed, "paged_prefill_attention: ", ids.numel(), " block ids cannot hold ", start + n,
+              " positions in blocks of ", bs);
+  for (int64_t j = 0; j < needed; ++j) {
+    TORCH_CHECK(bt[j] >= 0 && bt[j] < num_blocks, "paged_prefill_attention: block id ", bt[j], " outside 0..",
+                num_blocks - 1);
+  }
+  const float* kp = kv_cache.data_ptr<float>();
+  prefill_impl(q.data_ptr<float>(), q.stride(0), q.stride(1), kp, kp + num_blocks * bs * Hkv * D, bt, bs, H, Hkv, D,
+               start, n, static_cast<float>(scale), out.data_ptr<float>());
+}
+#endif
+
+}  // namespace aioengine_cpu

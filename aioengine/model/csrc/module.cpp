@@ -1,0 +1,49 @@
+// aioengine's CPU kernels, float32:
+// - paged decode attention: one query token per row, K and V read in place from the paged cache
+//   through each row's block table (no gathered copy of the context);
+// - argmax_rows: greedy sampling's argmax;
+// - rms_norm, rotary_inplace, silu_and_mul: the elementwise parts of a Llama layer, one pass each
+//   instead of 5-12 torch ops (on CPU every op costs microseconds of dispatch);
+// - pack_rows: a swapped-in linear weight written into its oneDNN-reordered copy in place;
+// - linear_row_blocks: x @ W.T (+ bias) read straight from that copy, for the few rows of a decode step
+//   (AVX-512 builds only), and row_blocks_equal, which checks that a copy is laid out as it assumes;
+// - paged prefill attention: one prompt chunk, causal, over its context in the paged cache (AVX-512 builds).
+//
+// This file binds them for Python; attention.cpp, elementwise.cpp and packed_linear.cpp hold them, common.h
+// their shared helpers. Built on first use by aioengine/model/cpu_kernels.py (torch.utils.cpp_extension);
+// the plain torch paths (attention.py, layers.py, torch.argmax) compute the same things and are what these
+// are tested against.
+
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+// Every kernel releases the GIL while it runs, as torch's own ops do: it touches no Python object,
+// and the engine's event loop (another thread of the same process) must keep running meanwhile.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace aioengine_cpu;
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, float32), in place into out",
+        release_gil());
+  m.def("argmax_rows", &argmax_rows, "First index of each row's maximum (CPU, float32)", release_gil());
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU, float32)", release_gil());
+  m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of residual (CPU, float32)",
+        release_gil());
+  m.def("rotary_inplace", &rotary_inplace, "Rotate-half rotary embedding of q and k, in place (CPU, float32)",
+        release_gil());
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)", release_gil());
+  m.def("pack_rows", &pack_rows, "Rows of a linear weight into its oneDNN-reordered copy in place, and optionally "
+        "into the plain weight (CPU, float32)", py::arg("src"), py::arg("row_offset"), py::arg("dst_address"),
+        py::arg("dst_floats"), py::arg("block"), py::arg("block_stride"), py::arg("plain") = py::none(), release_gil());
+  m.def("row_blocks_equal", &row_blocks_equal, "Whether a oneDNN-reordered copy holds the weight under pack_rows' "
+        "layout, value for value (CPU, float32)", py::arg("src"), py::arg("dst_address"), py::arg("dst_floats"),
+        py::arg("block"), py::arg("block_stride"), release_gil());
+#if defined(__AVX512F__)
+  m.def("linear_row_blocks", &linear_row_blocks, "x @ W.T (+ bias) from W's oneDNN-reordered copy in 64-row blocks "
+        "(CPU, float32, AVX-512)", py::arg("x"), py::arg("w_address"), py::arg("w_floats"), py::arg("out_features"),
+        py::arg("block_stride"), py::arg("bias") = py::none(), release_gil());
+  m.def("paged_prefill_attention", &paged_prefill_attention, "Causal attention of one prefill chunk over its paged "
+        "context, in place into out (CPU, float32, AVX-512)", py::arg("q"), py::arg("kv_cache"), py::arg("block_ids"),
+        py::arg("start"), py::arg("scale"), py::arg("out"), release_gil());
+#endif
+}
