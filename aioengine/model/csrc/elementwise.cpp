@@ -43,27 +43,36 @@ inline void write_normed(const float* h, const float* w, float* out, int64_t D, 
   for (int64_t d = 0; d < D; ++d) out[d] = w[d] * (h[d] * inv);
 }
 
+// The rows of x [..., D] normed into a new tensor shaped like it: `row(r, x_row)` returns the row to norm
+// (x's own, or one it computed in place) and its sum of squares; write_normed writes the output row.
+template <typename Row>
+at::Tensor norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, Row row) {
+  const int64_t D = weight.numel();
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, xc.numel() / D, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const auto [h, ss] = row(r, xp + r * D);
+      write_normed(h, wp, op + r * D, D, ss, feps);
+    }
+  });
+  return out;
+}
+
 // RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: float32 only");
   const int64_t D = weight.numel();
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == D && weight.is_contiguous(), "rms_norm: x's last dim must match weight");
-  const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty_like(xc);
-  const int64_t rows = xc.numel() / D;
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float feps = static_cast<float>(eps);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * D;
-      float ss = 0.f;
-      for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
-      write_normed(xr, wp, op + r * D, D, ss, feps);
-    }
+  return norm_rows(x, weight, eps, [D](int64_t, const float* xr) {
+    float ss = 0.f;
+    for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
+    return std::pair<const float*, float>(xr, ss);
   });
-  return out;
 }
 
 // The residual add fused into the RMSNorm after it: residual += x (in place), returns rms_norm(residual).
@@ -75,28 +84,17 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   const int64_t D = weight.numel();
   TORCH_CHECK(x.sizes() == residual.sizes() && x.size(-1) == D && weight.is_contiguous() && residual.is_contiguous(),
               "add_rms_norm: x and residual must have the same shape, last dim matching weight, residual contiguous");
-  const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty_like(xc);
-  const int64_t rows = xc.numel() / D;
-  const float* xp = xc.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float feps = static_cast<float>(eps);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * D;
-      float* rr = rp + r * D;
-      float ss = 0.f;
-      for (int64_t d = 0; d < D; ++d) {
-        const float h = rr[d] + xr[d];
-        rr[d] = h;
-        ss += h * h;
-      }
-      write_normed(rr, wp, op + r * D, D, ss, feps);
+  return norm_rows(x, weight, eps, [D, rp](int64_t r, const float* xr) {
+    float* rr = rp + r * D;
+    float ss = 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const float h = rr[d] + xr[d];
+      rr[d] = h;
+      ss += h * h;
     }
+    return std::pair<const float*, float>(rr, ss);
   });
-  return out;
 }
 
 // Rotate-half rotary embedding in place on q [T, Hq, D] and k [T, Hk, D] (last dim contiguous, any
