@@ -118,20 +118,27 @@ void paged_decode_attention_impl(const float* qp, const float* kp, const float* 
   });
 }
 
+// What both attention kernels need of q, the cache and out: float32, and a cache whose heads and head size
+// fit q's (query head h reads KV head h / (H / Hkv)).
+void check_against_cache(const char* kernel, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& out) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              kernel, ": float32 only");
+  const int64_t H = q.size(1), Hkv = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == q.size(2) && Hkv > 0 && H % Hkv == 0, kernel,
+              ": kv_cache does not match q's heads / head size");
+}
+
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2 && context_lens.dim() == 1,
               "paged_decode_attention: q [B,H,D], kv_cache [2,N,bs,Hkv,D], block_tables [B,W], context_lens [B]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_decode_attention: float32 only");
+  check_against_cache("paged_decode_attention", q, kv_cache, out);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode_attention: block_tables and context_lens must be int64");
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
               "paged_decode_attention: q, kv_cache and out must be contiguous, out shaped like q");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == D && Hkv > 0 && H % Hkv == 0,
-              "paged_decode_attention: kv_cache does not match q's heads / head size");
   TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "paged_decode_attention: one table row per query");
   const int64_t W = block_tables.size(1);
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
@@ -291,16 +298,13 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, co
                              int64_t start, double scale, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_ids.dim() == 1,
               "paged_prefill_attention: q [n,H,D], kv_cache [2,N,bs,Hkv,D], block_ids [blocks]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_prefill_attention: float32 only");
+  check_against_cache("paged_prefill_attention", q, kv_cache, out);
   TORCH_CHECK(block_ids.scalar_type() == at::kLong, "paged_prefill_attention: block_ids must be int64");
   TORCH_CHECK(q.stride(2) == 1 && kv_cache.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
               "paged_prefill_attention: q's head size must be contiguous, kv_cache and out contiguous, out shaped "
               "like q");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == D && Hkv > 0 && H % Hkv == 0,
-              "paged_prefill_attention: kv_cache does not match q's heads / head size");
   TORCH_CHECK(D % 16 == 0, "paged_prefill_attention: head size ", D, " is not a multiple of 16");
   TORCH_CHECK(n > 0 && start >= 0, "paged_prefill_attention: no query rows, or a negative start");
   const at::Tensor ids = block_ids.contiguous();

@@ -65,7 +65,7 @@ void pack_rows(const at::Tensor& src, int64_t row_offset, int64_t dst_address, i
   auto at_row = [&](int64_t o) { return dst + (o / block) * block_stride + o % block; };  // o: a weight row
 #if defined(__AVX512F__)
   // A swap writes far more than the caches hold, and a store of part of a line first reads the line in:
-  // streamed whole lines skip that read (about 20% of the write here).
+  // streamed whole lines skip that read (pack_rows 13-20% faster here).
   const bool whole_lines = block % 16 == 0 && block_stride % 16 == 0 && dst_address % 64 == 0;
 #else
   const bool whole_lines = false;
