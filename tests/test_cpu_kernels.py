@@ -152,9 +152,17 @@ def test_a_failed_build_makes_load_return_none_with_a_warning(monkeypatch: pytes
     assert "Error building extension 'x'" in caplog.text
 
 
-def test_mixed_batch_from_prepare_inputs_is_the_same_with_and_without_the_kernel(kernel: ModuleType,
-                                                                                 llama_ckpt: Path) -> None:  # fmt: skip
+KERNEL_OF = {"decode_kernel": "paged_decode_attention", "prefill_kernel": "paged_prefill_attention"}
+"""The runner's attention kernels, by the kernel module's name for each."""
+
+
+@pytest.mark.parametrize("path", list(KERNEL_OF))
+def test_mixed_batch_from_prepare_inputs_is_the_same_with_and_without_the_kernel(kernel: ModuleType, llama_ckpt: Path,
+                                                                                 path: str) -> None:  # fmt: skip
     # Decodes at contexts 1, 16 (a block boundary) and 41; a prefill chunk continuing at position 20 and one from 0.
+    # The chunks' own K and V are written into the cache by paged_attention before either path reads them.
+    if not hasattr(kernel, KERNEL_OF[path]):
+        pytest.skip(f"the kernels were built without {KERNEL_OF[path]} (AVX-512 only)")
     runner = ModelRunner(engine_config(llama_ckpt), torch.device("cpu"))  # no model: prepare_inputs only
     gen = torch.Generator().manual_seed(3)
     pool = torch.randperm(40, generator=gen).tolist()
@@ -164,10 +172,10 @@ def test_mixed_batch_from_prepare_inputs_is_the_same_with_and_without_the_kernel
     q, k, v = (torch.randn(sum(n for _, n in shapes), heads, 32, generator=gen) for heads in (4, 2, 2))
     cache = torch.randn(2, 40, 16, 2, 32, generator=gen)
     outputs = []
-    for decode_kernel in (None, kernel.paged_decode_attention):
-        runner.decode_kernel = decode_kernel
+    for attention_kernel in (None, getattr(kernel, KERNEL_OF[path])):
+        setattr(runner, path, attention_kernel)
         meta = runner.prepare_inputs(SchedulerOutput(0, reqs)).meta
-        assert meta.num_decodes == 3 and meta.decode_kernel is decode_kernel
+        assert meta.num_decodes == 3 and len(meta.prefills) == 2 and getattr(meta, path) is attention_kernel
         outputs.append(paged_attention(q, k, v, cache.clone(), meta, 0.3))
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
 

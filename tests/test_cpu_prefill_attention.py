@@ -1,22 +1,19 @@
 """Specification of the C++ prefill attention (``paged_prefill_attention``, AVX-512 builds): one prompt chunk,
 causal, over its whole context in the paged cache, equal to the SDPA path (``attention._prefill``) it
 replaces, which stays for what the kernel does not cover (no AVX-512, a head size off 16, other dtypes).
+A mixed batch through ``prepare_inputs``, with and without it, is checked in ``test_cpu_kernels.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
-from aioengine.messages import ScheduledRequest, SchedulerOutput
-from aioengine.model.attention import PrefillChunk, _prefill, paged_attention
-from aioengine.worker.model_runner import ModelRunner
-from tests.conftest import engine_config
+from aioengine.model.attention import PrefillChunk, _prefill
 
 
 @pytest.fixture
@@ -110,24 +107,3 @@ def test_kernel_refuses_bad_inputs_naming_the_problem(prefill_kernel: Callable[.
 def test_kernel_refuses_a_head_size_off_16(prefill_kernel: Callable[..., None]) -> None:
     with pytest.raises(RuntimeError, match="head size 36 is not a multiple of 16"):
         kernel_prefill(prefill_kernel, chunk_inputs(4, 2, 36, 16, 0, 5))
-
-
-def test_a_mixed_batch_is_the_same_with_and_without_the_kernel(prefill_kernel: Callable[..., None],
-                                                               llama_ckpt: Path) -> None:  # fmt: skip
-    """Through prepare_inputs: decodes and two prefill chunks (one from 0, one continuing at 20), the chunks'
-    own K and V written into the cache by paged_attention before either path reads them."""
-    runner = ModelRunner(engine_config(llama_ckpt), torch.device("cpu"))  # no model: prepare_inputs only
-    gen = torch.Generator().manual_seed(5)
-    pool = torch.randperm(40, generator=gen).tolist()
-    shapes = [(0, 1), (20, 9), (15, 1), (0, 5)]  # (start_pos, tokens)
-    reqs = [ScheduledRequest(f"r{i}", [7] * n, start, [pool.pop() for _ in range(-(-(start + n) // 16))], None)
-            for i, (start, n) in enumerate(shapes)]  # fmt: skip
-    q, k, v = (torch.randn(sum(n for _, n in shapes), heads, 32, generator=gen) for heads in (4, 2, 2))
-    cache = torch.randn(2, 40, 16, 2, 32, generator=gen)
-    outputs = []
-    for kernel in (None, prefill_kernel):
-        runner.prefill_kernel = kernel
-        meta = runner.prepare_inputs(SchedulerOutput(0, reqs)).meta
-        assert len(meta.prefills) == 2 and meta.prefill_kernel is kernel
-        outputs.append(paged_attention(q, k, v, cache.clone(), meta, 0.3))
-    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
