@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from types import ModuleType
 from typing import Any
 
 from aioengine import AsyncEngine, EngineStats, RequestOutput
+from aioengine.model.layers import Linear, set_weight_prepack
 
 TIMEOUT = 60.0
 """Seconds any single await on the engine may take: a hung stream fails its test, not the run."""
@@ -90,3 +92,11 @@ def hf_generate(
             )
             outputs.append(out[0, len(prompt) :].tolist())
     return outputs
+
+
+def packed_linear(kernels: ModuleType | None, out_features: int, in_features: int, hint: int = 64) -> Linear:
+    """A served (no gradients) bias-free Linear on ``kernels`` (None: oneDNN only), packed for ``hint`` rows."""
+    layer = Linear(in_features, out_features, bias=False).requires_grad_(False)
+    layer.kernels = kernels
+    set_weight_prepack(layer, hint)
+    return layer

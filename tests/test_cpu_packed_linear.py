@@ -1,13 +1,13 @@
 """Specification of oneDNN-packed ``Linear`` weights (``device.cpu_weight_prepack``, on by default): the
 layer runs from a reordered copy of its weight and gives what ``F.linear`` gives; a weight write rewrites
 the copy in place (``pack_rows``), into a layout found by a probe, never assumed; and in AVX-512 builds the
-row-block GEMM (``linear_row_blocks``) reads that copy once a check confirmed its layout. The engine-level
-checks (HF parity with the speed paths on and off, swaps, sleep) are in ``test_cpu_kernels.py``.
+row-block GEMM (``linear_row_blocks``, ``test_cpu_row_block_gemm.py``) reads that copy once a check confirmed
+its layout. The engine-level checks (HF parity with the speed paths on and off, swaps, sleep) are in
+``test_cpu_kernels.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -21,6 +21,7 @@ from aioengine.model.layers import Linear, cpu_prepack_supported, row_block_layo
 from aioengine.worker.model_runner import ModelRunner
 from aioengine.worker.weights import apply_weights, describe_source
 from tests.conftest import engine_config
+from tests.helpers import packed_linear
 
 
 # ---- oneDNN-packed Linear ----------------------------------------------------------------------------
@@ -115,13 +116,6 @@ def test_a_weight_write_packs_each_layer_in_place_as_its_weight_is_completed(
 
 
 # ---- in-place repacking (pack_rows) ------------------------------------------------------------------
-def packed_linear(kernels: ModuleType | None, out_features: int, in_features: int, hint: int = 64) -> Linear:
-    layer = Linear(in_features, out_features, bias=False).requires_grad_(False)
-    layer.kernels = kernels
-    set_weight_prepack(layer, hint)
-    return layer
-
-
 class _WithoutGemm:
     """The kernels as a build without AVX-512 has them: no row-block GEMM, so a copy is reordered for the
     layer's own hint."""
@@ -287,120 +281,3 @@ def test_pack_rows_refuses_a_layout_that_does_not_fit(kernel: ModuleType, proble
     with pytest.raises(RuntimeError, match="pack_rows"):
         kernel.pack_rows(weight, 0, address, floats, block, stride, plain)
     assert torch.equal(layer._packed.to_dense(), before)  # refused before any write
-
-
-# ---- the row-block GEMM (linear_row_blocks: AVX-512 builds) -----------------------------------------
-@pytest.fixture
-def gemm_kernel(kernel: ModuleType) -> ModuleType:
-    if not hasattr(kernel, "linear_row_blocks"):
-        pytest.skip("the kernels were built without AVX-512: Linear runs oneDNN's GEMM")
-    return kernel
-
-
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    """On 2 threads a weight of 9 row blocks splits each block's rows in two (the blocks do not share out)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
-class _Counting:
-    """The kernels, counting the calls to the row-block GEMM."""
-
-    def __init__(self, kernels: ModuleType) -> None:
-        self.kernels, self.gemm_calls = kernels, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.kernels, name)
-
-    def linear_row_blocks(self, *args: Any) -> torch.Tensor:
-        self.gemm_calls += 1
-        return self.kernels.linear_row_blocks(*args)
-
-
-@pytest.mark.parametrize(
-    ("out_features", "in_features"), [(960, 576), (576, 1536), (100, 37), (7, 5), (130, 24), (64, 64)]
-)
-@pytest.mark.parametrize("rows", [1, 7, 12, 13, 64, 1100])
-def test_the_row_block_gemm_equals_f_linear(
-    gemm_kernel: ModuleType, threads: int, out_features: int, in_features: int, rows: int
-) -> None:
-    """Rows off the 6-row tile and over the 1024-row chunk, columns and rows off the 64-row block (oneDNN
-    pads both), with and without a bias, from a view whose rows are further apart than its columns."""
-    counting = _Counting(gemm_kernel)
-    layer = packed_linear(counting, out_features, in_features)  # type: ignore[arg-type]
-    assert layer._row_blocks is not None
-    gen = torch.Generator().manual_seed(rows)
-    wide = torch.randn(rows, in_features + 3, generator=gen)
-    for x in (wide[:, :in_features], wide[:, :in_features].contiguous()):
-        with torch.no_grad():
-            torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-4, rtol=1e-5)
-    assert counting.gemm_calls == 2
-    bias = torch.randn(out_features, generator=gen)
-    address, floats, stride = layer._row_blocks
-    torch.testing.assert_close(
-        gemm_kernel.linear_row_blocks(wide[:, :in_features], address, floats, out_features, stride, bias),
-        F.linear(wide[:, :in_features], layer.weight, bias),
-        atol=1e-4,
-        rtol=1e-5,
-    )
-
-
-def test_the_row_block_gemm_of_no_rows_is_empty(gemm_kernel: ModuleType) -> None:
-    layer = packed_linear(gemm_kernel, 96, 64)
-    assert layer._row_blocks is not None
-    assert layer(torch.empty(0, 64)).shape == (0, 96)
-
-
-def test_a_copy_the_check_does_not_confirm_runs_onednn(gemm_kernel: ModuleType) -> None:
-    """oneDNN picks the copy's layout per CPU, shape and hint (64-row blocks, 16-row blocks, plain): where
-    ``row_blocks_equal`` does not confirm 64-row blocks, the row-block GEMM must not read the copy, and the
-    layer's output is oneDNN's, bit for bit."""
-
-    class Unconfirmed(_Counting):
-        @staticmethod
-        def row_blocks_equal(*args: object) -> bool:
-            return False
-
-    kernels = Unconfirmed(gemm_kernel)
-    layer = packed_linear(kernels, 130, 24)  # type: ignore[arg-type]
-    assert layer._packed is not None and layer._row_blocks is None
-    x = torch.randn(5, 24)
-    onednn = torch.ops.mkldnn._linear_pointwise(x, layer._packed, None, "none", [], "")
-    assert torch.equal(layer(x), onednn) and kernels.gemm_calls == 0
-
-
-def test_row_blocks_equal_finds_a_copy_that_is_not_the_weight(gemm_kernel: ModuleType) -> None:
-    layer = packed_linear(gemm_kernel, 100, 37)
-    assert layer._row_blocks is not None
-    address, floats, stride = layer._row_blocks
-    weight = layer.weight.detach().clone()
-    assert gemm_kernel.row_blocks_equal(weight, address, floats, 64, stride)
-    weight[99, 36] += 1  # the last element: the padded block's last row, the padded stride's last column
-    assert not gemm_kernel.row_blocks_equal(weight, address, floats, 64, stride)
-    assert not gemm_kernel.row_blocks_equal(layer.weight.detach(), address, 2 * stride - 1, 64, stride)  # too small
-    assert not gemm_kernel.row_blocks_equal(layer.weight.detach(), address, floats, 32, stride // 2)  # wrong block
-
-
-@pytest.mark.parametrize("problem", ["dtype", "column stride", "too small", "stride", "bias", "no columns"])
-def test_the_row_block_gemm_refuses_what_does_not_fit(gemm_kernel: ModuleType, problem: str) -> None:
-    layer = packed_linear(gemm_kernel, 96, 64)
-    assert layer._row_blocks is not None
-    address, floats, stride = layer._row_blocks
-    x, bias = torch.randn(4, 64), None
-    if problem == "dtype":
-        x = x.double()
-    elif problem == "column stride":
-        x = torch.randn(64, 4).t()
-    elif problem == "too small":
-        floats = 2 * stride - 1
-    elif problem == "stride":
-        stride = 64 * 64 - 1
-    elif problem == "bias":
-        bias = torch.randn(95)
-    else:
-        x = torch.randn(4, 0)
-    with pytest.raises(RuntimeError, match="linear_row_blocks"):
-        gemm_kernel.linear_row_blocks(x, address, floats, 96, stride, bias)
