@@ -170,22 +170,35 @@ class KVBlockManager:
             self.num_query_tokens += len(request.token_ids)
             self.num_hit_tokens += request.num_computed_tokens
 
-    def register(self, request: Request) -> None:
+    def register(self, request: Request) -> list[int]:
         """Registers the request's full blocks whose tokens are known and whose KV is computed (or being
-        computed by a step in flight: steps run in order, so a later reader finds it written)."""
+        computed by a step in flight: steps run in order, so a later reader finds it written). Returns the
+        blocks it entered in the cache (what ``unregister`` takes out again)."""
         if not self.enable_prefix_caching or request.cache_epoch != self.epoch:
-            return
+            return []
         full = min(request.num_computed_tokens, len(request.token_ids)) // self.block_size
         if full <= request.num_registered_blocks:
-            return
+            return []
         keys = self._block_keys(request, full)
+        entered = []
         for index in range(request.num_registered_blocks, full):
             block = request.block_ids[index]
             key = keys[index]
             if self._keys[block] is None and key not in self.cached:
                 self.cached[key] = block
                 self._keys[block] = key
+                entered.append(block)
         request.num_registered_blocks = full
+        return entered
+
+    def unregister(self, blocks: Iterable[int]) -> None:
+        """Takes ``blocks`` (from ``register``) out of the cache again: the step that would have computed
+        their KV was revoked before it ran."""
+        for block in blocks:
+            key = self._keys[block]
+            if key is not None and self.cached.get(key) == block:
+                del self.cached[key]
+            self._keys[block] = None
 
     def reset(self, weights_version: int) -> int:
         """Forgets every cached prefix (the KV would differ now); blocks in use stay with their requests.

@@ -44,6 +44,18 @@ class RequestUpdate:
     """The new token's logprobs, if the request asked for them."""
 
 
+@dataclass(slots=True)
+class _Revocable:
+    """What the newest step changed, kept while it can be revoked before it runs (``Scheduler.revoke``)."""
+
+    step_id: int
+    advanced: list[tuple[Request, int, bool, int]]
+    """Each request it runs: its computed tokens before, whether the step samples for it, and its
+    registered blocks before."""
+    registered: list[int]
+    """The blocks it entered in the prefix cache."""
+
+
 class Scheduler:
     """Decides which requests run each step and keeps their KV blocks."""
 
@@ -85,6 +97,10 @@ class Scheduler:
         self._swap_out: dict[int, int] = {}
         self.num_swapped_out = 0
         """Preemptions that moved the request's KV to the host pool (the rest recomputed)."""
+        self._revocable: _Revocable | None = None
+        """The newest step, while revoking it needs nothing but its own record undone."""
+        self.num_revoked = 0
+        """Steps revoked before they ran (a control call stopped the loop while they were queued)."""
 
     # ---- queue ---------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -162,6 +178,7 @@ class Scheduler:
             break  # the request itself was preempted; everything after it already was
 
         seats = sum(1 + len(r.followers) for r in self.running)  # parked sequences run once their group forks
+        continuing = len(scheduled)
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
             if seats + 1 + len(request.followers) > self.max_num_seqs:
@@ -197,20 +214,57 @@ class Scheduler:
         step_id = next(self._step_ids)
         if scheduled:
             self._scheduled[step_id] = {r.req_id: (r, r.num_preemptions) for r, _ in scheduled}
+        before = [(r, r.num_computed_tokens, r.num_registered_blocks) for r, _ in scheduled]
         described = [self._describe(r, n) for r, n in scheduled]
+        registered: list[int] = []
+        forked = False
         for request, _ in scheduled:
-            kv.register(request)
+            registered += kv.register(request)
             if request.followers and request.num_computed_tokens >= request.num_shared_tokens:
                 self._fork(request)
+                forked = True
         swap_in, self._swap_in = self._swap_in, {}
         swap_out, self._swap_out = self._swap_out, {}
-        return SchedulerOutput(
+        out = SchedulerOutput(
             step_id=step_id,
             requests=described,
             blocks_to_swap_in=swap_in,
             blocks_to_swap_out=swap_out,
             blocks_to_copy=kv.take_copies(),
         )
+        # Revocable: a step that only moves running requests on. Admissions, forks, preemptions, swaps and
+        # copies change more than the requests' own counters (and copies and swaps must reach the cache).
+        simple = continuing == len(scheduled) and not (preempted or forked or swap_in or swap_out)
+        self._revocable = None
+        if scheduled and simple and not out.blocks_to_copy:
+            samples = [d.sampling is not None for d in described]
+            advanced = [(r, c, sampled, reg) for (r, c, reg), sampled in zip(before, samples, strict=True)]
+            self._revocable = _Revocable(step_id, advanced, registered)
+        return out
+
+    def revocable(self, step_id: int) -> bool:
+        """Whether ``revoke(step_id)`` can undo that step: it is the newest, and it only moved running
+        requests on (no admission, fork, preemption, swap or copy)."""
+        return self._revocable is not None and self._revocable.step_id == step_id
+
+    def revoke(self, step_id: int) -> None:
+        """Undoes the scheduling of step ``step_id``, which never ran (its submission was withdrawn): its
+        requests are back where they were, to be scheduled again, and the blocks it entered in the prefix
+        cache (whose KV it would have computed) are out. Blocks it allocated stay with their requests.
+        Outputs of older steps applied meanwhile are kept: only the step's own changes are undone."""
+        record = self._revocable
+        if record is None or record.step_id != step_id:
+            raise ValueError(f"step {step_id} cannot be revoked (not the newest, or it changed more than its requests)")
+        self._revocable = None
+        self._scheduled.pop(step_id, None)
+        self.kv.unregister(record.registered)
+        for request, computed, sampled, registered in record.advanced:
+            if request.status != RequestStatus.RUNNING or self.requests.get(request.req_id) is not request:
+                continue  # ended meanwhile (aborted, or finished by an older step's output)
+            request.num_computed_tokens = computed
+            request.num_placeholders -= sampled
+            request.num_registered_blocks = registered
+        self.num_revoked += 1
 
     def _fork(self, leader: Request) -> None:
         """The leader's step computes the group's shared prefix: its parked sequences start from there,
