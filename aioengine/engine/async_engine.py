@@ -344,7 +344,9 @@ class AsyncEngine:
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> Any:
-        """Runs a worker method (or a callable taking the worker) on every rank, ordered with the steps.
+        """Runs a worker method (or a callable taking the worker) on every rank, ordered with the steps: it
+        runs once the step running now is done. A step queued behind that one that no worker has started is
+        taken back first, where the executor can (``EngineCore.revoke_queued_step``), and runs after it.
 
         A method that writes weights through the worker's one write path (``Worker.write_weights``, as
         the weight-sync plugin does) returns a ``WorkerWeightsReport``; the engine takes the new
@@ -352,6 +354,7 @@ class AsyncEngine:
         """
         core = self._require_core()
         assert self.executor is not None
+        core.revoke_queued_step()
         try:
             results = await self.executor.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
         except WeightsLostError:

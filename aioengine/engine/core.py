@@ -50,7 +50,8 @@ class ControlSession:
         self._outstanding: asyncio.Task[Any] | None = None
 
     async def quiesce(self, mode: QuiesceMode) -> None:
-        """Stops the loop between two steps; returns once no step is in flight.
+        """Stops the loop between two steps; returns once no step is in flight. A step queued behind the
+        running one is revoked where it can be (``EngineCore.revoke_queued_step``), so only one is waited for.
 
         "drain" on an engine that cannot serve (asleep, weights discarded) or whose generation is paused
         raises EngineStateError with queued requests, since they could never finish.
@@ -69,9 +70,10 @@ class ControlSession:
                 )
             core._hold_admission = True  # new requests wait in `held` until the session ends
             await core._until_idle()
-        elif mode == "abort":
-            self.aborted = core.abort_all()
         core._quiesced = True
+        core.revoke_queued_step()
+        if mode == "abort":
+            self.aborted = core.abort_all()
         await core._until_idle()
         if mode == "preempt":
             self.preempted = core.scheduler.preempt_all()
@@ -276,6 +278,19 @@ class EngineCore:
         caller asked; returns how many blocks were cached. Requests in flight keep their blocks, and never
         offer them to the cache again (they were computed before)."""
         return self.scheduler.kv.reset(self.weights_version)
+
+    def revoke_queued_step(self) -> bool:
+        """Takes back the step queued behind the running one, if no worker has started it and the scheduler
+        can undo it (``Scheduler.revocable``): a control call that stops the loop then waits for one step,
+        not two, and the requests of the revoked step run it after the call. True if one was revoked."""
+        if len(self._inflight) < 2:  # the oldest is the one the loop awaits: never that one
+            return False
+        sched, step = self._inflight[-1]
+        if not self.scheduler.revocable(sched.step_id) or not self.executor.withdraw_step(step):
+            return False
+        self._inflight.pop()
+        self.scheduler.revoke(sched.step_id)
+        return True
 
     async def _until_idle(self) -> None:
         await self._idle.wait()

@@ -45,6 +45,8 @@ class EngineStats:
     """Preemptions that moved the request's KV to the host pool (preemption_mode "swap"); the rest recomputed."""
     host_blocks_free: int = 0
     """Free blocks of the host pool swapped-out KV goes to (0 without swap)."""
+    num_revoked_steps: int = 0
+    """Steps queued behind the running one that a control call took back before they ran (they run after it)."""
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -84,4 +86,5 @@ def engine_stats(core: EngineCore | None, max_model_len: int | None) -> EngineSt
         prefix_cache_blocks=scheduler.kv.num_cached_blocks,
         num_swapped_out=scheduler.num_swapped_out,
         host_blocks_free=scheduler.num_host_blocks_free,
+        num_revoked_steps=scheduler.num_revoked,
     )

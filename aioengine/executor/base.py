@@ -82,6 +82,14 @@ class Executor(ABC):
         (async scheduling) and publish the last one's outputs meanwhile.
         """
 
+    def withdraw_step(self, step: asyncio.Future[ModelRunnerOutput]) -> bool:
+        """Withdraws a submitted step that no worker has started, so that it never runs; True if it was.
+
+        Only where the steps wait in this process until a worker takes them (the thread executor);
+        executors that send each step to their workers at once (processes, Ray) keep it and return False.
+        """
+        return False
+
     @abstractmethod
     async def run_aside(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         """Runs a worker method on every rank OFF the step thread (e.g. staging weights while serving).

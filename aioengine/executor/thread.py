@@ -52,10 +52,10 @@ class ThreadExecutor(Executor):
         )
         self.wrappers = [WorkerWrapper(rank) for rank in range(self.world_size)]
         self._closed = False
-        self._steps_queued = 0
+        self._step_calls: dict[asyncio.Future[ModelRunnerOutput], concurrent.futures.Future[Any]] = {}
+        """Steps submitted whose outputs have not come back to the loop yet, with their calls on the thread."""
         self._overdue: dict[asyncio.Future[Any], tuple[str, float]] = {}
         """Calls whose caller timed out while they still run, with their name and when."""
-        """Steps submitted whose outputs have not come back to the loop yet."""
         # Build the workers on their own threads: device set-up is per thread on some back ends.
         for rank, wrapper in enumerate(self.wrappers):
             self._threads[rank].submit(wrapper.init_worker, config, rank).result()
@@ -67,11 +67,16 @@ class ThreadExecutor(Executor):
     def _call(
         self, rank: int, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> asyncio.Future[Any]:
+        return bridge(self._submit(rank, method, args, kwargs))
+
+    def _submit(
+        self, rank: int, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> concurrent.futures.Future[Any]:
         self._check_open()
         wrapper = self.wrappers[rank]
         if isinstance(method, str):
-            return bridge(self._threads[rank].submit(lambda: getattr(wrapper, method)(*args, **kwargs)))
-        return bridge(self._threads[rank].submit(lambda: method(wrapper.worker, *args, **kwargs)))
+            return self._threads[rank].submit(lambda: getattr(wrapper, method)(*args, **kwargs))
+        return self._threads[rank].submit(lambda: method(wrapper.worker, *args, **kwargs))
 
     async def collective_rpc(
         self,
@@ -112,14 +117,20 @@ class ThreadExecutor(Executor):
     def submit_step(self, scheduler_output: SchedulerOutput) -> asyncio.Future[ModelRunnerOutput]:
         # One rank: its output is the step's. Queued on the worker's thread right here, so the step is
         # ordered with every call submitted before and after it, and starts while the loop goes on.
-        output: asyncio.Future[ModelRunnerOutput] = self._call(0, execute_and_sample, (scheduler_output,), {})
-        self._steps_queued += 1
+        call = self._submit(0, execute_and_sample, (scheduler_output,), {})
+        output: asyncio.Future[ModelRunnerOutput] = bridge(call)
+        self._step_calls[output] = call
         output.add_done_callback(self._step_done)  # before anyone awaits it: runs first
         return output
 
-    def _step_done(self, _: asyncio.Future[ModelRunnerOutput]) -> None:
-        self._steps_queued -= 1
-        if self._steps_queued:
+    def withdraw_step(self, step: asyncio.Future[ModelRunnerOutput]) -> bool:
+        # A call the thread has not taken yet can be cancelled; the thread then skips it.
+        call = self._step_calls.get(step)
+        return call is not None and call.cancel()
+
+    def _step_done(self, output: asyncio.Future[ModelRunnerOutput]) -> None:
+        self._step_calls.pop(output, None)
+        if self._step_calls:
             # The worker finished a step and has the next one queued, but it woke the loop by finishing
             # and would wait for the GIL while the loop applies this step's outputs (1.2-1.5 ms a step on
             # 2 cores). Yielding first lets the worker start the next step; the loop waits for that.
