@@ -260,7 +260,16 @@ class DeviceConfig(_Section):
         True,
         description=(
             "CPU, float32: run the linear layers from oneDNN-reordered copies of their weights (much faster "
-            "small-batch GEMMs than MKL's sgemm), at the cost of a second copy of those weights in memory."
+            "small-batch GEMMs than MKL's sgemm). Where aioengine's kernels rewrite a copy in place, the copy is "
+            "the weight's one store (see cpu_keep_plain_weights); else it is a second copy in memory."
+        ),
+    )
+    cpu_keep_plain_weights: bool = Field(
+        False,
+        description=(
+            "With cpu_weight_prepack: keep each linear layer's plain weight beside its reordered copy (twice the "
+            "memory, and a weight swap writes both). Off, the plain parameters of those layers are meta "
+            "placeholders: worker extensions read weights with aioengine.model.layers.dense_parameters(model)."
         ),
     )
 

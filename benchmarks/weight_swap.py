@@ -19,7 +19,8 @@ swap then writes the checkpoint it does not serve (A and B in turn), five ways, 
 With ``--repeats N`` each row is N swaps (A and B alternating) and shows the one of median seconds
 (the slower of the middle two for an even N), with the range of the N beside it.
 
-Beside them, in the same run and with the page cache warmed by a first read, the floors: reading the
+Beside them, in the same run (each measured before and after the engine's rows, the faster counting)
+and with the page cache warmed by a first read, the floors: reading the
 same files' bytes, and ``safetensors.torch.load_file`` + ``copy_`` into preallocated tensors (a swap's
 work without the engine), which rows 1-4 cannot beat; and the transport floor of row 5: the same
 trainer process broadcasting the same tensors (one broadcast per tensor, as ``receive_weights`` takes
@@ -312,13 +313,16 @@ def main() -> None:
         a = build_checkpoint(root / "swap-a", "llama", seed=0, **SPEC)  # type: ignore[arg-type]
         b = build_checkpoint(root / "swap-b", "llama", seed=1, **SPEC)  # type: ignore[arg-type]
         print(f"checkpoints ready in {time.perf_counter() - start:.1f}s")
+        before = (*disk_floors(b)[:2], transport_floor(b))
+        steady, rows = asyncio.run(run(a, b, args.device, args.streams, args.repeats))
+        # Again after the engine, and the faster of the two counts: this host's memory bandwidth drifts
+        # over a run, and a floor taken in a slow moment would flatter the rows.
         read_s, load_s, nbytes = disk_floors(b)
         floors = [
-            ("read the same files' bytes (page cache warm)", read_s),
-            ("load_file + copy_ into tensors, no engine (page cache warm)", load_s),
-            ("gloo broadcast from a trainer process into tensors, no engine", transport_floor(b)),
+            ("read the same files' bytes (page cache warm)", min(before[0], read_s)),
+            ("load_file + copy_ into tensors, no engine (page cache warm)", min(before[1], load_s)),
+            ("gloo broadcast from a trainer process into tensors, no engine", min(before[2], transport_floor(b))),
         ]
-        steady, rows = asyncio.run(run(a, b, args.device, args.streams, args.repeats))
     print(
         f"\ndevice {args.device}, {nbytes / 2**20:.0f} MiB of float32 weights, {args.streams} greedy streams "
         f"running (steady gap between outputs: {steady * 1e3:.0f} ms), {args.repeats} swap(s) per row\n"

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from aioengine.errors import AIOEngineError
+from aioengine.model.layers import dense_parameters
 
 __all__ = ["InspectExtension", "tensor_checksum"]
 
@@ -82,7 +83,7 @@ class InspectExtension:
         which parameters a weight update changed. Copies each parameter to the host once.
         """
         model = loaded_model(self)
-        return {name: tensor_checksum(param) for name, param in model.named_parameters()}
+        return {name: tensor_checksum(values) for name, values in dense_parameters(model).items()}
 
     def memory_report(self) -> dict[str, Any]:
         """Bytes held by this worker: weights (tied ones once), KV cache, process RSS, CUDA allocator.

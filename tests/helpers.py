@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator, Callable
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from aioengine import AsyncEngine, EngineStats, RequestOutput
 from aioengine.model.layers import Linear, set_weight_prepack
 
@@ -100,3 +102,13 @@ def packed_linear(kernels: ModuleType | None, out_features: int, in_features: in
     layer.kernels = kernels
     set_weight_prepack(layer, hint)
     return layer
+
+
+def weight_addresses(model: Any) -> dict[str, int]:
+    """Where each parameter's values live: its data, or the packed copy's where that copy is the weight's one
+    store (``Linear.plain_released``). A write in place keeps all of them."""
+    released = {id(m.weight): m for m in model.modules() if isinstance(m, Linear) and m.plain_released}
+    return {
+        name: torch.ops.mkldnn.data_ptr(released[id(p)]._packed) if id(p) in released else p.data_ptr()
+        for name, p in model.named_parameters()
+    }

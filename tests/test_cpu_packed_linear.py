@@ -17,7 +17,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from aioengine.model.layers import Linear, cpu_prepack_supported, row_block_layout, set_weight_prepack
+from aioengine.model.layers import (
+    Linear,
+    cpu_prepack_supported,
+    dense_parameters,
+    row_block_layout,
+    set_weight_prepack,
+)
+from aioengine.testing import build_checkpoint
 from aioengine.worker.model_runner import ModelRunner
 from aioengine.worker.weights import apply_weights, describe_source
 from tests.conftest import engine_config
@@ -44,7 +51,7 @@ def assert_runs_packed(layer: Linear, x: torch.Tensor) -> None:
     """The layer gives F.linear of its current weight, from a packed copy (rebuilt if it was stale); up to
     float32 rounding, which differs with the order of the sums (outputs here are up to ~50 in size)."""
     with torch.no_grad():
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.dense_weight(), layer.bias), atol=1e-4, rtol=1e-5)
     assert layer._packed is not None and layer.prepack_hint is not None
 
 
@@ -90,29 +97,108 @@ def test_weights_changed_marks_every_packed_copy_stale_and_the_next_forward_rebu
     assert all(m.packed_current() for m in layers)
 
 
+@pytest.mark.parametrize("keep_plain", [True, False], ids=["plain kept", "plain released"])
 def test_a_weight_write_packs_each_layer_in_place_as_its_weight_is_completed(
-    kernel: ModuleType, llama_ckpt: Path
+    kernel: ModuleType, llama_ckpt: Path, keep_plain: bool
 ) -> None:
-    runner = ModelRunner(engine_config(llama_ckpt), torch.device("cpu"))
-    runner.load_model(str(llama_ckpt))
-    assert runner.model is not None
+    def loaded(keep_plain: bool) -> ModelRunner:
+        runner = ModelRunner(engine_config(llama_ckpt, device={"cpu_keep_plain_weights": keep_plain}), cpu)
+        runner.load_model(str(llama_ckpt))
+        return runner
+
+    cpu = torch.device("cpu")
+    runner, kept = loaded(keep_plain), loaded(keep_plain=True)
+    assert runner.model is not None and kept.model is not None
     layers = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    # Every layer owns its weight here (the checkpoint's LM head is not tied): released unless kept.
+    assert [m.plain_released for m in layers] == [not keep_plain] * len(layers)
     old_copies = [m._packed for m in layers]
     gen = torch.Generator().manual_seed(1)
     source = {
         n: torch.randn(t.shape, generator=gen) * 0.02 for n, t in load_file(llama_ckpt / "model.safetensors").items()
     }
     apply_weights(runner.model, describe_source(source))
+    apply_weights(kept.model, describe_source(source))
     # Packed during the write (q, k and v fill one fused weight, gate and up another): nothing left to pack,
     # and every copy was rewritten where it was (no fresh memory).
     assert all(m._packed is not None and m.packed_current() for m in layers)
     assert all(m._packed is old for m, old in zip(layers, old_copies, strict=True))
     assert runner.prepack_weights() == 0
     assert all((m._row_blocks is not None) == hasattr(kernel, "linear_row_blocks") for m in layers)
+    plain = dict(kept.model.named_parameters())
+    for name, values in dense_parameters(runner.model).items():
+        assert torch.equal(values, plain[name]), name  # a released weight's copy holds what the plain one got
     for layer in layers:
         assert layer._packed is not None
-        assert torch.equal(layer._packed.to_dense(), layer.weight)
+        assert torch.equal(layer._packed.to_dense(), layer.dense_weight())
         assert_runs_packed(layer, torch.randn(3, layer.in_features, generator=gen))
+
+
+# ---- the copy as the weight's one store (cpu_keep_plain_weights off) ------------------------------------
+def released_linear(kernel: ModuleType, out_features: int = 96, in_features: int = 64) -> Linear:
+    layer = packed_linear(kernel, out_features, in_features)
+    layer.keep_plain = False
+    layer.drop_packed()
+    layer.pack()  # a fresh copy, made with the plain weight released
+    return layer
+
+
+def test_a_released_weight_lives_in_its_copy_alone_and_fails_loudly_when_read(kernel: ModuleType) -> None:
+    torch.manual_seed(0)
+    layer = packed_linear(kernel, 96, 64)
+    values = layer.weight.detach().clone()
+    layer.keep_plain = False
+    layer.drop_packed()
+    assert layer.pack() == values.nbytes
+    assert layer.plain_released and layer.weight.device.type == "meta"
+    assert tuple(layer.weight.shape) == (96, 64) and layer.weight.dtype == torch.float32
+    assert torch.equal(layer.dense_weight(), values)
+    assert_runs_packed(layer, torch.randn(5, 64))
+    with pytest.raises(NotImplementedError):
+        layer.weight.cpu()  # no stale or made-up values: a reader that skips dense_weight() fails
+
+
+def test_rows_written_into_a_released_weight_land_in_its_copy_whatever_their_dtype_or_layout(
+    kernel: ModuleType,
+) -> None:
+    layer = released_linear(kernel)
+    before = layer.dense_weight()
+    rows = torch.randn(64, 20).t()  # [20, 64], not contiguous
+    halves = torch.randn(30, 64).bfloat16()
+    piece = layer.weight.narrow(0, 10, 20)
+    assert layer.write_rows(10, piece, rows) and layer.write_rows(50, layer.weight.narrow(0, 50, 30), halves)
+    expected = before.clone()
+    expected[10:30], expected[50:80] = rows, halves.float()
+    layer.mark_packed_stale()
+    assert layer.pack() and torch.equal(layer.dense_weight(), expected)  # untouched rows keep their values
+    assert_runs_packed(layer, torch.randn(4, 64))
+    with pytest.raises(ValueError, match="src has shape"):
+        layer.write_rows(0, piece, torch.randn(3, 64))
+
+
+@pytest.mark.parametrize("keep_values", [True, False])
+def test_dropping_a_released_copy_brings_the_plain_weight_back(kernel: ModuleType, keep_values: bool) -> None:
+    layer = released_linear(kernel)
+    values = layer.dense_weight()
+    layer.drop_packed(keep_values)
+    assert not layer.plain_released and layer._packed is None and layer.weight.device.type == "cpu"
+    assert tuple(layer.weight.shape) == (96, 64) and not layer.weight.requires_grad
+    if keep_values:
+        assert torch.equal(layer.weight, values)
+        assert_runs_packed(layer, torch.randn(4, 64))  # packed again from the plain weight (and released)
+        assert layer.plain_released
+
+
+def test_a_weight_another_module_holds_too_stays_plain(kernel: ModuleType, tmp_path: Path) -> None:
+    """A tied LM head computes from the embedding's table, which the embedding reads by rows."""
+    ckpt = build_checkpoint(tmp_path / "tied", "qwen2", tie_word_embeddings=True)
+    runner = ModelRunner(engine_config(ckpt), torch.device("cpu"))
+    runner.load_model(str(ckpt))
+    assert runner.model is not None
+    head = runner.model.lm_head
+    assert head.weight is runner.model.model.embed_tokens.weight and not head.plain_released
+    others = [m for m in runner.model.modules() if isinstance(m, Linear) and m is not head]
+    assert others and all(m.plain_released for m in others)
 
 
 # ---- in-place repacking (pack_rows) ------------------------------------------------------------------

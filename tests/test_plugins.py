@@ -36,7 +36,7 @@ from plugins.weight_sync import (
     weight_metadata,
 )
 from tests.conftest import engine_config
-from tests.helpers import last_output
+from tests.helpers import last_output, weight_addresses
 
 TIMEOUT = 60.0
 """Seconds any single await on the engine may take: a hang fails its test, not the run."""
@@ -102,7 +102,7 @@ async def rpc(engine: AsyncEngine, method: Any, *args: Any, **kwargs: Any) -> An
 
 
 def data_ptrs(worker: Any) -> dict[str, int]:
-    return {name: p.data_ptr() for name, p in worker.model_runner.model.named_parameters()}
+    return weight_addresses(worker.model_runner.model)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from aioengine import AsyncEngine
 from aioengine.errors import CheckpointError, EngineStateError
 from aioengine.model import layers
 from aioengine.worker import worker as worker_module
-from tests.helpers import TIMEOUT, wait_until
+from tests.helpers import TIMEOUT, wait_until, weight_addresses
 from tests.weight_swap_support import (
     FEW,
     NEW_TOKENS,
@@ -235,7 +235,7 @@ async def test_an_update_writes_in_place_keeping_every_parameter_address(
     engine: AsyncEngine, ckpt_b: Path, stage: bool
 ) -> None:
     def addresses(worker: Any) -> dict[str, int]:
-        return {n: p.data_ptr() for n, p in worker.model_runner.model.named_parameters()}
+        return weight_addresses(worker.model_runner.model)
 
     before = await engine.collective_rpc(addresses)
     checks = await checksums(engine)

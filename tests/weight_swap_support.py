@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from aioengine import AsyncEngine, RequestOutput, SamplingParams
+from aioengine.model.layers import dense_parameters
 from aioengine.testing import build_checkpoint, build_tokenizer
 from tests.helpers import TIMEOUT, hf_generate
 
@@ -99,7 +100,7 @@ async def token_ids(engine: AsyncEngine, prompts: list[list[int]] = PROMPTS[:FEW
 def _param_checksums(worker: Any) -> dict[str, str]:
     return {
         name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-        for name, p in worker.model_runner.model.named_parameters()
+        for name, p in dense_parameters(worker.model_runner.model).items()
     }
 
 

@@ -36,12 +36,19 @@ class Linear(nn.Linear):
     dropped (sleep), or after the weight's storage or version changed, reorders it again: into the
     existing copy where the kernels know its layout (``pack_rows``: a swap then touches no fresh
     memory, and writes the copy in the same pass as the weight), else anew. It costs a second copy
-    of the weight in memory.
+    of the weight in memory, unless the plain weight is released (below).
 
     Where the kernels have ``linear_row_blocks`` (AVX-512 builds) and the copy is laid out in 64-row
     blocks (checked value for value each time it is made), the GEMM runs there instead of in oneDNN,
     reading the same copy: 1.05-1.75x oneDNN's speed for the 1-64 rows of a decode step, level from
     128 rows (``python -m benchmarks gemm``).
+
+    With ``keep_plain`` off (the model runner's choice for layers that own their weight alone), a copy
+    that the kernels can rewrite in place becomes the weight's one store once it is made: the parameter
+    is replaced by one of its shape and dtype on the meta device (no memory; reading it fails loudly
+    instead of giving stale values), writes go into the copy alone (``write_rows``), and
+    ``dense_weight()`` (``dense_parameters`` for a model) reads the values back. That halves the layer's
+    memory and the bytes a swap writes.
     """
 
     prepack_hint: int | None = None
@@ -59,6 +66,10 @@ class Linear(nn.Linear):
     _row_blocks: tuple[int, int, int] | None = None
     """``(address, floats, block_stride)`` of the copy where ``kernels.linear_row_blocks`` reads it (64-row
     blocks, checked against the weight); None: oneDNN's GEMM."""
+    keep_plain: bool = True
+    """False: once a copy is made that ``pack_rows`` rewrites in place, the plain weight is released."""
+    _released: tuple[int, int] | None = None
+    """The layout (``row_block_layout``) of the copy while it is the weight's one store (plain released)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
@@ -77,6 +88,10 @@ class Linear(nn.Linear):
     def pack(self) -> int:
         """Reorders the current weight now; returns the bytes of the copy. Turns packing off on error."""
         assert self.prepack_hint is not None
+        if self._released is not None:  # the copy is the weight: every write went into it
+            self._packed_key = _weight_key(self.weight)
+            self._rows_packed = 0
+            return _packed_floats(self._packed) * 4 if self._packed is not None else 0
         weight = self.weight.detach()
         if not self._pack_in_place(weight):
             try:
@@ -90,7 +105,30 @@ class Linear(nn.Linear):
             self._row_blocks = self._checked_row_blocks(weight)
         self._packed_key = _weight_key(self.weight)
         self._packed_source = weight.untyped_storage()
+        if not self.keep_plain:
+            self._release_plain(weight)
         return weight.nbytes
+
+    @property
+    def plain_released(self) -> bool:
+        """Whether the packed copy is the weight's one store (the parameter is a meta placeholder)."""
+        return self._released is not None
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight's values as an ``[out, in]`` tensor: the parameter, or one read back from the copy."""
+        if self._released is None or self._packed is None:
+            return self.weight.detach()
+        return self._packed.to_dense()
+
+    def _release_plain(self, weight: torch.Tensor) -> None:
+        layout = self._in_place_layout(weight)
+        if layout is None:
+            return  # only a copy the kernels can rewrite in place can take the weight's writes
+        self._released = layout
+        self._packed_source = None
+        # A new parameter object: one may not point an existing CPU parameter at meta data.
+        self.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
+        self._packed_key = _weight_key(self.weight)
 
     def packed_current(self) -> bool:
         """Whether a packed copy exists and was made from the weight as it is now (as far as can be seen:
@@ -147,6 +185,12 @@ class Linear(nn.Linear):
         it) and of the packed copy, in one pass over ``src``. False, with nothing written, where the
         in-place path does not apply (then ``piece.copy_(src)``, and the copy is rebuilt when the weight
         is complete)."""
+        if self._released is not None:
+            if tuple(src.shape) != tuple(piece.shape):
+                raise ValueError(f"write_rows: src has shape {tuple(src.shape)}, the rows {tuple(piece.shape)}")
+            self._write_packed(src.to(device="cpu", dtype=torch.float32).contiguous(), offset, self._released, None)
+            self._rows_packed += src.shape[0]
+            return True
         layout = self._in_place_layout(self.weight)
         if layout is None or src.dtype != torch.float32 or src.device.type != "cpu" or not src.is_contiguous():
             return False
@@ -177,8 +221,15 @@ class Linear(nn.Linear):
         self._packed_key = None
         self._rows_packed = 0
 
-    def drop_packed(self) -> None:
-        """Frees the packed copy (sleep, a lost write, packing turned off)."""
+    def drop_packed(self, keep_values: bool = True) -> None:
+        """Frees the packed copy (sleep, a lost write, packing turned off). Where it was the weight's one store
+        the plain weight comes back first: read from the copy, or (``keep_values=False``: the weights are
+        being discarded) uninitialised."""
+        if self._released is not None:
+            shape, dtype = self.weight.shape, self.weight.dtype
+            plain = self.dense_weight() if keep_values else torch.empty(shape, dtype=dtype)
+            self.weight = nn.Parameter(plain, requires_grad=False)
+            self._released = None
         self._packed = None
         self._row_blocks = None
         self._packed_key = None
@@ -289,11 +340,30 @@ def set_weight_prepack(model: nn.Module, hint: int | None) -> int:
     return total
 
 
-def drop_packed_weights(model: nn.Module) -> None:
-    """Frees every packed copy (they come back on the next forward, or ``set_weight_prepack``)."""
+def drop_packed_weights(model: nn.Module, keep_values: bool = True) -> None:
+    """Frees every packed copy (they come back on the next forward, or ``set_weight_prepack``); see
+    ``Linear.drop_packed`` for ``keep_values``."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.drop_packed()
+            module.drop_packed(keep_values)
+
+
+def release_plain_weights(model: nn.Module, release: bool) -> None:
+    """Sets ``keep_plain`` of every ``Linear``: off (``release``) where the layer owns its weight alone, on
+    elsewhere. A weight held by another module too (a tied LM head's embedding) always stays plain."""
+    holders: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        holders[id(param)] = holders.get(id(param), 0) + 1
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.keep_plain = not (release and holders.get(id(module.weight), 0) == 1)
+
+
+def dense_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter by name with its values: a released weight (``Linear.plain_released``) read back from
+    its packed copy. What code that reads weights uses, instead of ``named_parameters()``."""
+    dense = {id(m.weight): m for m in model.modules() if isinstance(m, Linear) and m.plain_released}
+    return {name: dense[id(p)].dense_weight() if id(p) in dense else p.detach() for name, p in model.named_parameters()}
 
 
 def mark_packed_weights_stale(model: nn.Module) -> None:

@@ -28,7 +28,13 @@ from aioengine.messages import (
 from aioengine.model import cpu_kernels
 from aioengine.model.attention import AttentionMetadata, PrefillChunk, split_decode_rows
 from aioengine.model.hf_config import CheckpointConfig, load_hf_config
-from aioengine.model.layers import cpu_prepack_supported, drop_packed_weights, set_weight_prepack, use_cpu_kernels
+from aioengine.model.layers import (
+    cpu_prepack_supported,
+    drop_packed_weights,
+    release_plain_weights,
+    set_weight_prepack,
+    use_cpu_kernels,
+)
 from aioengine.model.llama import LlamaForCausalLM, tp_heads
 from aioengine.model.loader import load_model, resolve_dtype, resolve_max_model_len
 from aioengine.model.parallel import SINGLE, TensorParallel
@@ -129,6 +135,7 @@ class ModelRunner:
                     self.prefill_kernel = getattr(kernels, "paged_prefill_attention", None)
                 self.sampler = Sampler(argmax=kernels.argmax_rows)
                 use_cpu_kernels(self.model, kernels)
+        release_plain_weights(self.model, not self.config.device.cpu_keep_plain_weights)
         self.prepack_weights()  # after the kernels: with them a copy may be read by their GEMM
         logger.info("loaded %s (%s) in %.2fs", path, self.dtype, time.perf_counter() - start)
 
@@ -141,10 +148,12 @@ class ModelRunner:
         on = self.config.device.cpu_weight_prepack and cpu_prepack_supported(self.device, self.dtype)
         return set_weight_prepack(self.model, self.config.scheduler.max_num_seqs if on else None)
 
-    def drop_packed_weights(self) -> None:
-        """Frees the oneDNN weight copies (before sleep); the next ``prepack_weights`` or forward rebuilds them."""
+    def drop_packed_weights(self, keep_values: bool = True) -> None:
+        """Frees the oneDNN weight copies (before sleep); the next ``prepack_weights`` or forward rebuilds them.
+        A copy that was a weight's one store gives its values back to the plain weight first, unless the
+        weights are being discarded (``keep_values=False``)."""
         if self.model is not None:
-            drop_packed_weights(self.model)
+            drop_packed_weights(self.model, keep_values)
 
     def model_info(self) -> ModelInfo:
         """Facts the engine needs to size the cache and validate requests (plain, picklable)."""

@@ -162,7 +162,7 @@ class Worker(WorkerBase):
         if backend.asleep:
             return WorkerSleepReport(TagBytes(), 0.0, (f"already asleep (level {backend.level}); nothing freed",))
         start = time.perf_counter()
-        self._runner().drop_packed_weights()
+        self._runner().drop_packed_weights(keep_values=level == 1)  # level 2 discards the weights
         freed, notes = backend.sleep(level)
         return WorkerSleepReport(freed, time.perf_counter() - start, tuple(notes))
 
@@ -244,7 +244,7 @@ class Worker(WorkerBase):
         except WeightsLostError:
             self.weights_version += 1
             backend.weights_discarded()
-            runner.drop_packed_weights()
+            runner.drop_packed_weights(keep_values=False)
             raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
