@@ -184,7 +184,7 @@ class Linear(nn.Linear):
         """Copies ``src`` into rows ``[offset, offset + len(src))`` of the weight (``piece`` is that view of
         it) and of the packed copy, in one pass over ``src``. False, with nothing written, where the
         in-place path does not apply (then ``piece.copy_(src)``, and the copy is rebuilt when the weight
-        is complete)."""
+        is complete). A released weight takes ``src`` of any dtype, device or layout into its copy alone."""
         if self._released is not None:
             if tuple(src.shape) != tuple(piece.shape):
                 raise ValueError(f"write_rows: src has shape {tuple(src.shape)}, the rows {tuple(piece.shape)}")
