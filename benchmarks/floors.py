@@ -56,11 +56,12 @@ def gemm_steps(worker: Any, shapes: list[tuple[int, int]]) -> list[float]:
 
     Each layer runs as the engine runs it (its own forward: oneDNN-packed weights where they are on).
     """
-    body, head = _linears(worker.model_runner.model)
+    runner = worker.model_runner
+    body, head = _linears(runner.model)
     most = max((n for n, _ in shapes), default=1)
+    # The runner's device and dtype: a weight whose packed copy is its one store is a meta placeholder.
     inputs = {
-        m.in_features: torch.randn(most, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
-        for m in body + head
+        m.in_features: torch.randn(most, m.in_features, dtype=runner.dtype, device=runner.device) for m in body + head
     }
     seconds = []
     for num_tokens, num_samples in shapes:
