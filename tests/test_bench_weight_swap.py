@@ -28,6 +28,9 @@ def test_the_trainer_process_broadcasts_the_checkpoint_in_metadata_order(llama_c
 
 def test_the_table_shows_each_rows_median_swap_and_dashes_where_a_report_has_no_figure() -> None:
     rpc = [Swap(75, 10**9, seconds, seconds - 0.1, None, seconds + 0.1) for seconds in (3.0, 1.0, 2.0)]
-    lines = table(10**9, [("a floor", 0.5)], [("an rpc", rpc)])
-    assert lines[2] == "| a floor | - | 0.500 | 2.00 | - | - | - |"
-    assert lines[3] == "| an rpc | 75 | 2.000 (1.000-3.000) | 0.50 | 1.900 | - | 2.100 |"
+    rows = [("an rpc", rpc, "a floor"), ("a push", rpc, "another"), ("staged", rpc, None)]
+    lines = table(10**9, {"a floor": 0.5, "another": 4.0}, rows)
+    assert lines[2] == "| a floor | - | 0.500 | 2.00 | - | - | - | - |"
+    assert lines[4] == "| an rpc | 75 | 2.000 (1.000-3.000) | 0.50 | 4.00x | 1.900 | - | 2.100 |"
+    assert lines[5] == "| a push | 75 | 2.000 (1.000-3.000) | 0.50 | 0.50x | 1.900 | - | 2.100 |"
+    assert lines[6] == "| staged | 75 | 2.000 (1.000-3.000) | 0.50 | - | 1.900 | - | 2.100 |"
