@@ -8,6 +8,7 @@ streams and the engines themselves report.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,6 +284,35 @@ async def test_prefix_cache_counters_count_the_prompt_tokens_looked_up_and_found
     assert value("aioengine:prefix_cache_hits_total", model_name="llama") == 32  # the second found both blocks
     assert value("aioengine:num_preemptions_total", model_name="llama") == 0
     assert value("aioengine:num_swapped_out_total", model_name="llama") == 0
+
+
+async def test_revoked_steps_count_the_queued_steps_rpcs_took_back(pool: EnginePool) -> None:
+    metrics = ServerMetrics(pool)
+    engine = engine_of(pool)
+    await engine.wake_up()
+    assert scrape(metrics)("aioengine:num_revoked_steps_total", model_name="llama") == 0
+    streams = asyncio.gather(*(serve(pool, metrics, "llama", p, greedy(200)) for p in PROMPTS))
+    await wait_until(lambda: engine.stats().requests_running == len(PROMPTS), "every request running")
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(worker: object) -> None:
+        entered.set()
+        release.wait(TIMEOUT)
+
+    # The worker is held by the first RPC, so the steps the loop submits meanwhile wait on its thread; the
+    # second RPC then takes back the one queued behind the other (a worker started neither).
+    held = asyncio.ensure_future(engine.collective_rpc(hold))
+    await wait_until(entered.is_set, "the worker held")
+    inflight = engine.core._inflight
+    await wait_until(lambda: len(inflight) == 2 and not any(f.done() for _, f in inflight), "two steps queued")
+    second = asyncio.ensure_future(engine.collective_rpc(lambda worker: None))
+    await asyncio.sleep(0)  # the call takes the queued step back and queues itself before its first await
+    release.set()
+    await asyncio.gather(held, second)
+    await streams
+    revoked = engine.stats().num_revoked_steps
+    assert revoked >= 1  # the second call's, at least (the first may have taken one back too)
+    assert scrape(metrics)("aioengine:num_revoked_steps_total", model_name="llama") == revoked
 
 
 def test_engines_not_started_render_as_sleeping_and_empty(unstarted_pool: EnginePool) -> None:

@@ -10,7 +10,8 @@ Read from the engines at scrape time, so that no state is copied here (``_PoolCo
   ``kv_cache_usage_perc`` = 1 - free / total, 0 unless the engine is awake; the counters
   ``prefix_cache_queries`` and ``prefix_cache_hits`` (prompt tokens that looked the prefix cache up, and those
   whose KV it held), ``num_preemptions`` and ``num_swapped_out`` (the preemptions that moved KV to the host
-  instead of recomputing it); ``weights_version`` (+1 per weight write).
+  instead of recomputing it), ``num_revoked_steps`` (queued steps a control call or RPC took back before
+  they ran); ``weights_version`` (+1 per weight write).
 - ``AsyncEngine.is_awake``: ``is_sleeping`` is 1 when it is not (asleep, but also not started or dead).
 - ``EnginePool.num_switches``: ``pool_switches``, the wake-ups the pool made to serve a sleeping model.
 
@@ -79,6 +80,8 @@ _ENGINE_SERIES = (
     _EngineSeries("num_preemptions", "Preemptions of running requests.", True, lambda _, s: s.num_preemptions),
     _EngineSeries("num_swapped_out", "Preemptions that moved the request's KV to the host pool.", True,
                   lambda _, s: s.num_swapped_out),
+    _EngineSeries("num_revoked_steps", "Queued steps a control call or RPC took back before they ran.", True,
+                  lambda _, s: s.num_revoked_steps),
     _EngineSeries("is_sleeping", "1 unless the engine is started, alive and awake.", False,
                   lambda e, _: 0.0 if e.is_awake else 1.0),
     _EngineSeries("weights_version", "Weight writes the engine has made (+1 each).", False,
