@@ -90,8 +90,7 @@ class Linear(nn.Linear):
         assert self.prepack_hint is not None
         if self._released is not None:  # the copy is the weight: every write went into it
             self._packed_key = _weight_key(self.weight)
-            self._rows_packed = 0
-            return _packed_floats(self._packed) * 4 if self._packed is not None else 0
+            return self.weight.nbytes
         weight = self.weight.detach()
         if not self._pack_in_place(weight):
             try:
@@ -189,7 +188,6 @@ class Linear(nn.Linear):
             if tuple(src.shape) != tuple(piece.shape):
                 raise ValueError(f"write_rows: src has shape {tuple(src.shape)}, the rows {tuple(piece.shape)}")
             self._write_packed(src.to(device="cpu", dtype=torch.float32).contiguous(), offset, self._released, None)
-            self._rows_packed += src.shape[0]
             return True
         layout = self._in_place_layout(self.weight)
         if layout is None or src.dtype != torch.float32 or src.device.type != "cpu" or not src.is_contiguous():
