@@ -248,9 +248,12 @@ async def steady_gap(streams: Streams) -> float:
     return statistics.median(streams.gaps_within(start, time.perf_counter()))
 
 
-async def run(
-    a: Path, b: Path, device: str, num_streams: int, repeats: int
-) -> tuple[float, list[tuple[str, list[Swap]]]]:
+Row = tuple[str, list[Swap], str | None]
+"""A row of the table: its name, its swaps, and the floor it is held to (None: none; a staged swap reads
+while serving, so its pause and stream gap are what count, side by side in the row, not its whole call)."""
+
+
+async def run(a: Path, b: Path, device: str, num_streams: int, repeats: int) -> tuple[float, list[Row]]:
     config = EngineConfig(
         model={"path": str(a)},
         device={"device": device},
@@ -260,27 +263,36 @@ async def run(
     tensors = {a: hf_tensors(a), b: hf_tensors(b)}
     serving = Serving(a, b, now=a)
     async with AsyncEngine(config) as engine:
-        changes: list[tuple[str, Change]] = [
-            ('update_weights(directory, mode="pause")', lambda p: engine.update_weights(p, mode="pause")),
+        changes: list[tuple[str, Change, str | None]] = [
+            (
+                'update_weights(directory, mode="pause")',
+                lambda p: engine.update_weights(p, mode="pause"),
+                LOAD_FLOOR,
+            ),
             (
                 'update_weights(directory, mode="pause", stage=True)',
                 lambda p: engine.update_weights(p, mode="pause", stage=True),
+                None,
             ),
             (
                 'update_weights({tensors in memory}, mode="pause")',
                 lambda p: engine.update_weights(tensors[p], mode="pause"),
+                LOAD_FLOOR,
             ),
             (
                 'collective_rpc("load_weights_from_tensors", {tensors in memory}, partial=False)',
                 lambda p: rpc(engine, "load_weights_from_tensors", tensors[p], partial=False),
+                LOAD_FLOOR,
             ),
         ]
         streams = Streams()
         load = asyncio.create_task(streams.run(engine, num_streams, max_tokens=32))
         steady = await steady_gap(streams)
-        rows = [(name, await repeated(streams, serving, change, repeats)) for name, change in changes]
+        rows: list[Row] = [
+            (name, await repeated(streams, serving, change, repeats), floor) for name, change, floor in changes
+        ]
         push = await group_push(engine, streams, serving, tensors, repeats)
-        rows.append(('group push: collective_rpc("receive_weights", metadata, partial=False)', push))
+        rows.append(('group push: collective_rpc("receive_weights", metadata, partial=False)', push, GLOO_FLOOR))
         streams.stop = True
         await load
     return steady, rows
@@ -290,15 +302,7 @@ def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def floor_of(row: str) -> str | None:
-    """The floor a row is held to: a staged swap reads while serving, so its pause and stream gap are what
-    count (side by side in the row), not its whole call."""
-    if "stage=True" in row:
-        return None
-    return GLOO_FLOOR if row.startswith("group push") else LOAD_FLOOR
-
-
-def table(nbytes: int, floors: dict[str, float], rows: list[tuple[str, list[Swap], str | None]]) -> list[str]:
+def table(nbytes: int, floors: dict[str, float], rows: list[Row]) -> list[str]:
     """The markdown table: the floors, then each row's median swap (by seconds) and its seconds over the
     floor it is held to (the row's third item names it; None: none, "-")."""
     lines = [
@@ -346,8 +350,7 @@ def main() -> None:
         f"\ndevice {args.device}, {nbytes / 2**20:.0f} MiB of float32 weights, {args.streams} greedy streams "
         f"running (steady gap between outputs: {steady * 1e3:.0f} ms), {args.repeats} swap(s) per row\n"
     )
-    held_to = [(name, swaps, floor_of(name)) for name, swaps in rows]
-    print("\n".join(table(nbytes, floors, held_to)))
+    print("\n".join(table(nbytes, floors, rows)))
 
 
 if __name__ == "__main__":
