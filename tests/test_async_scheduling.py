@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
+from collections.abc import Iterable
 
 from aioengine.messages import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
 from aioengine.scheduler.request import RequestStatus
@@ -27,10 +28,10 @@ def fake_output(sched: SchedulerOutput) -> ModelRunnerOutput:
     return ModelRunnerOutput(sched.step_id, [r.req_id for r in sampling], [default_token(r) for r in sampling])
 
 
-def drive_pipelined(s, max_steps: int = 1000) -> list[SchedulerOutput]:
+def drive_pipelined(s, max_steps: int = 1000, scheduled: Iterable[SchedulerOutput] = ()) -> list[SchedulerOutput]:
     """As EngineCore does with async scheduling: one step stays queued behind the one whose outputs
-    are applied next; returns every step scheduled."""
-    in_flight: deque[SchedulerOutput] = deque()
+    are applied next; returns every step scheduled (after ``scheduled``, steps already in flight)."""
+    in_flight: deque[SchedulerOutput] = deque(scheduled)
     history = []
     for _ in range(max_steps):
         if not s.has_unfinished_requests() and not in_flight:

@@ -18,7 +18,7 @@ from aioengine.scheduler.scheduler import Scheduler
 from tests.engine_request_support import greedy
 from tests.helpers import TIMEOUT, wait_until
 from tests.sleep_support import token_ids
-from tests.test_async_scheduling import fake_output
+from tests.test_async_scheduling import drive_pipelined, fake_output
 from tests.test_pause import PROMPTS, Streams
 from tests.test_scheduler import EOS, expected_outputs, make_request, make_scheduler
 
@@ -29,20 +29,6 @@ def counters(requests: list[Request]) -> list[tuple[int, int, int]]:
 
 def described(sched: SchedulerOutput) -> list[tuple[str, list[int], int, int, bool]]:
     return [(r.req_id, r.token_ids, r.start_pos, r.output_index, r.sample) for r in sched.requests]
-
-
-def finish(s: Scheduler, in_flight: deque[SchedulerOutput]) -> None:
-    """Applies the steps in flight, then drives the scheduler pipelined (one step queued) to the end."""
-    for _ in range(1000):
-        if not s.has_unfinished_requests() and not in_flight:
-            return
-        sched = s.schedule()
-        if not sched.is_empty:
-            in_flight.append(sched)
-        if len(in_flight) > 1 or (sched.is_empty and in_flight):
-            done = in_flight.popleft()
-            s.update_from_output(done, fake_output(done))
-    raise AssertionError("requests still unfinished after 1000 steps")
 
 
 def prefix_scheduler(max_num_batched_tokens: int = 32) -> Scheduler:
@@ -74,7 +60,7 @@ def test_a_revoked_decode_step_leaves_its_requests_as_they_were_and_is_scheduled
     # The same requests at the same positions; the placeholders are now the tokens the prefill sampled.
     assert [(i, p, o, x) for i, _, p, o, x in described(again)] == [(i, p, o, x) for i, _, p, o, x in described(queued)]
     assert [t for _, t, *_ in described(again)] == [[r.token_ids[-1]] for r in requests]
-    finish(s, deque([again]))
+    drive_pipelined(s, scheduled=[again])
     assert all(r.output_token_ids == expected_outputs(6) for r in requests)
     s.kv.check([])
     assert s.kv.num_free_blocks == s.kv.num_usable_blocks
@@ -97,7 +83,7 @@ def test_revoking_a_prefill_chunk_takes_the_blocks_it_entered_out_of_the_prefix_
     again = s.schedule()
     assert described(again) == described(second)
     assert len(s.kv.cached) > len(cached_after_first)
-    finish(s, deque([again]))
+    drive_pipelined(s, scheduled=[again])
     assert request.output_token_ids == expected_outputs(3)
     # A request with the same prompt finds the whole prefix cached, as without the revoke.
     twin = make_request("twin", 20, max_tokens=1)
@@ -165,7 +151,7 @@ def test_a_request_aborted_between_the_schedule_and_the_revoke_stays_ended() -> 
     assert counters([requests[0], requests[2]]) == [before[0], before[2]]
     assert requests[1].status == RequestStatus.FINISHED_ABORTED and requests[1] not in s.running
     s.kv.check(s.running)
-    finish(s, deque([prefill]))
+    drive_pipelined(s, scheduled=[prefill])
     assert [r.output_token_ids for r in (requests[0], requests[2])] == [expected_outputs(5)] * 2
     assert s.kv.num_free_blocks == s.kv.num_usable_blocks
 
