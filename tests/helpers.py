@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from aioengine import AsyncEngine, EngineStats, RequestOutput
-from aioengine.model.layers import Linear, set_weight_prepack
+from aioengine.model.layers import Linear, released_linears, set_weight_prepack
 
 TIMEOUT = 60.0
 """Seconds any single await on the engine may take: a hung stream fails its test, not the run."""
@@ -107,7 +107,7 @@ def packed_linear(kernels: ModuleType | None, out_features: int, in_features: in
 def weight_addresses(model: Any) -> dict[str, int]:
     """Where each parameter's values live: its data, or the packed copy's where that copy is the weight's one
     store (``Linear.plain_released``). A write in place keeps all of them."""
-    released = {id(m.weight): m for m in model.modules() if isinstance(m, Linear) and m.plain_released}
+    released = released_linears(model)
     return {
         name: torch.ops.mkldnn.data_ptr(released[id(p)]._packed) if id(p) in released else p.data_ptr()
         for name, p in model.named_parameters()

@@ -357,10 +357,16 @@ def release_plain_weights(model: nn.Module, release: bool) -> None:
             module.keep_plain = not (release and holders.get(id(module.weight), 0) == 1)
 
 
+def released_linears(model: nn.Module) -> dict[int, Linear]:
+    """The layers whose packed copy is their weight's one store (``Linear.plain_released``), by the id of
+    their placeholder parameter."""
+    return {id(m.weight): m for m in model.modules() if isinstance(m, Linear) and m.plain_released}
+
+
 def dense_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter by name with its values: a released weight (``Linear.plain_released``) read back from
-    its packed copy. What code that reads weights uses, instead of ``named_parameters()``."""
-    dense = {id(m.weight): m for m in model.modules() if isinstance(m, Linear) and m.plain_released}
+    """Every parameter by name with its values: a released weight read back from its packed copy. What code
+    that reads weights uses, instead of ``named_parameters()``."""
+    dense = released_linears(model)
     return {name: dense[id(p)].dense_weight() if id(p) in dense else p.detach() for name, p in model.named_parameters()}
 
 
