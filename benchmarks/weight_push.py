@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from aioengine.model.loader import checkpoint_files, iter_safetensors
-from aioengine.model.parallel import group_store, make_group
+from aioengine.model.parallel import group_store, leave_group, make_group
 from plugins.weight_sync import broadcast_weights, free_port, trainer_group
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,22 +75,14 @@ def join_group(port: int) -> tuple[Any, Any]:
     return store, make_group(store, 1, 2, "gloo", TIMEOUT)
 
 
-def leave_group(group: Any) -> None:
-    """Closes this side of the group as ``close_weight_update_group`` does: a barrier both sides pass (a
-    peer that tears its sockets down while the other still finishes makes gloo abort the slower one)."""
-    group.barrier().wait()
-    group.shutdown()
-
-
 def main() -> None:
     port, *paths = sys.argv[1:]
     torch.set_num_threads(1)
     tensors = {path: hf_tensors(Path(path)) for path in paths}  # read before the group opens: pushes time only the wire
-    store, group = trainer_group(int(port), world_size=2, timeout=TIMEOUT)
+    _store, group = trainer_group(int(port), world_size=2, timeout=TIMEOUT)
     for line in sys.stdin:
         broadcast_weights(group, tensors[line.strip()])
-    leave_group(group)
-    del store
+    leave_group(group)  # main's locals drop the group and store before the interpreter finalizes
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ pointers stay valid); and a ``WorkerWeightsReport`` back, from which the engine 
 ``weights_version`` (outputs carry it) and, after a full push, knows that weights a level-2 sleep
 discarded are valid again.
 
-The trainer side needs only :func:`trainer_group`, :func:`weight_metadata` and
-:func:`broadcast_weights` (plain functions, no engine import).
+The trainer side needs only :func:`trainer_group`, :func:`weight_metadata`,
+:func:`broadcast_weights` and :func:`leave_group` (plain functions, no engine import).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from aioengine.errors import AIOEngineError, CheckpointError, WeightsLostError
 from aioengine.loopback import LOOPBACK, free_port
 from aioengine.messages import WorkerWeightsReport
 from aioengine.model.loader import narrowed
-from aioengine.model.parallel import group_store, make_group
+from aioengine.model.parallel import group_store, leave_group, make_group
 from aioengine.worker.weights import SourceView, tensor_source
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "WeightSyncExtension",
     "broadcast_weights",
     "free_port",
+    "leave_group",
     "trainer_group",
     "weight_metadata",
 ]
@@ -77,7 +78,8 @@ def trainer_group(
 
     Blocks until the ``world_size - 1`` engine workers have joined (their
     ``init_weight_update_group`` calls), so start those concurrently. Keep both returned objects
-    alive while the group is in use; dropping them closes it.
+    alive while the group is in use; at the end call :func:`leave_group` (the engine's
+    ``close_weight_update_group`` passes the same barrier), then drop both before the process exits.
     """
     store = group_store(master_port, 0, world_size, timeout)
     return store, make_group(store, 0, world_size, backend, timeout)
@@ -233,8 +235,5 @@ class WeightSyncExtension:
         """Leaves the group and drops its store connection; safe to call when none is open."""
         self._weight_sync_buffers = None
         state, self._weight_sync_group = self._weight_sync_group, None
-        if state is not None and hasattr(state[1], "shutdown"):
-            # Both sides pass a barrier first: a peer that tears its sockets down while the other is
-            # still finishing makes gloo call std::terminate in the slower process.
-            state[1].barrier().wait()
-            state[1].shutdown()
+        if state is not None:
+            leave_group(state[1])  # the trainer's leave_group passes the same barrier

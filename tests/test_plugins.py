@@ -32,6 +32,7 @@ from plugins.weight_sync import (
     WeightSyncExtension,
     broadcast_weights,
     free_port,
+    leave_group,
     trainer_group,
     weight_metadata,
 )
@@ -256,14 +257,16 @@ TRAINER = """
 import sys, torch
 from datetime import timedelta
 from safetensors.torch import load_file
-from plugins.weight_sync import broadcast_weights, trainer_group
+from plugins.weight_sync import broadcast_weights, leave_group, trainer_group
+
+def main():  # the group lives in locals: it must be gone before the interpreter finalizes
+    ckpt, port = sys.argv[1], int(sys.argv[2])
+    store, group = trainer_group(port, world_size=2, timeout=timedelta(seconds=30))
+    broadcast_weights(group, load_file(ckpt))
+    leave_group(group)  # the engine passes the same barrier in close_weight_update_group
 
 torch.set_num_threads(1)
-ckpt, port = sys.argv[1], int(sys.argv[2])
-store, group = trainer_group(port, world_size=2, timeout=timedelta(seconds=30))
-broadcast_weights(group, load_file(ckpt))
-group.barrier().wait()  # the engine passes the same barrier in close_weight_update_group
-group.shutdown()
+main()
 """
 """A trainer program: hosts the group on 127.0.0.1:port and broadcasts a safetensors file."""
 
@@ -308,15 +311,11 @@ async def trainer_in_thread(engine: AsyncEngine, batches: list[Any]) -> AsyncIte
 
     def run() -> None:
         try:
-            store, group = trainer_group(port, world_size=2, timeout=timedelta(seconds=30))
-            try:
-                for batch in batches:
-                    broadcast_weights(group, batch)
-                release.wait(TIMEOUT)
-                group.barrier().wait()  # matched by close_weight_update_group on the engine side
-            finally:
-                group.shutdown()
-                del store
+            _store, group = trainer_group(port, world_size=2, timeout=timedelta(seconds=30))
+            for batch in batches:
+                broadcast_weights(group, batch)
+            release.wait(TIMEOUT)
+            leave_group(group)  # matched by close_weight_update_group on the engine side
         except BaseException as exc:
             errors.append(exc)
 

@@ -34,7 +34,7 @@ from aioengine.model.layers import dense_parameters
 from aioengine.model.loader import checkpoint_files
 from aioengine.testing import build_checkpoint
 from aioengine.worker.weights import tensor_source
-from plugins.weight_sync import broadcast_weights, free_port, trainer_group, weight_metadata
+from plugins.weight_sync import broadcast_weights, free_port, leave_group, trainer_group, weight_metadata
 from tests.conftest import engine_config
 from tests.helpers import TIMEOUT, final, wait_until
 from tests.weight_swap_support import hf_greedy
@@ -255,13 +255,9 @@ async def test_weights_a_trainer_broadcasts_reach_every_rank_as_its_slices(
 
     def trainer() -> None:  # a thread is enough: the group is private, nothing global is touched
         try:
-            store, group = trainer_group(port, world_size=1 + TP, timeout=timedelta(seconds=30))
-            try:
-                broadcast_weights(group, tensors)
-                group.barrier().wait()  # matched by close_weight_update_group on the engine side
-            finally:
-                group.shutdown()
-                del store
+            _store, group = trainer_group(port, world_size=1 + TP, timeout=timedelta(seconds=30))
+            broadcast_weights(group, tensors)
+            leave_group(group)  # matched by close_weight_update_group on the engine side
         except BaseException as exc:
             errors.append(exc)
 

@@ -73,6 +73,21 @@ def make_group(
     raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
 
 
+def leave_group(group: Any) -> None:
+    """Leaves a private group: a barrier every member passes, then ``shutdown``.
+
+    The barrier comes first because a peer that tears its sockets down while another still finishes
+    makes gloo abort the slower one. Afterwards drop every reference to the group (and its store) while
+    the interpreter still runs, in a function's locals rather than a script's globals: ``shutdown`` does
+    not stop gloo's worker threads, only the group's destruction joins them, and a worker that lets go
+    of its last tensor while Python is finalizing cannot take the GIL, so the process aborts
+    ("terminate called without an active exception").
+    """
+    group.barrier().wait()
+    if hasattr(group, "shutdown"):
+        group.shutdown()
+
+
 def parse_init_method(init_method: str) -> tuple[str, int]:
     """``tcp://HOST:PORT`` -> (HOST, PORT); ConfigurationError otherwise."""
     host, _, port = init_method.removeprefix("tcp://").rpartition(":")
