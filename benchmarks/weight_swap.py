@@ -62,8 +62,8 @@ from aioengine.messages import WorkerWeightsReport
 from aioengine.model.loader import checkpoint_files
 from aioengine.testing import build_checkpoint
 from benchmarks.results import median
-from benchmarks.weight_push import TIMEOUT, Trainer, hf_tensors, join_group, leave_group
-from plugins.weight_sync import WeightSyncExtension, weight_metadata
+from benchmarks.weight_push import TIMEOUT, Trainer, hf_tensors, join_group
+from plugins.weight_sync import WeightSyncExtension, leave_group, weight_metadata
 
 SPEC = dict(hidden_size=1024, intermediate_size=2048, num_layers=8, num_heads=16, num_kv_heads=8, vocab_size=32000)
 PROMPT = list(range(10, 42))

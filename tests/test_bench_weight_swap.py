@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.weight_push import Trainer, hf_tensors, join_group, leave_group
+from benchmarks.weight_push import Trainer, hf_tensors, join_group
 from benchmarks.weight_swap import Swap, table
-from plugins.weight_sync import weight_metadata
+from plugins.weight_sync import leave_group, weight_metadata
 
 
 def test_the_trainer_process_broadcasts_the_checkpoint_in_metadata_order(llama_ckpt: Path) -> None:
