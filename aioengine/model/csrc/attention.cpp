@@ -80,6 +80,7 @@ void paged_decode_attention_impl(const float* qp, const float* kp, const float* 
   const int64_t G = H / Hkv, token_stride = Hkv * D;
   const int64_t heads_per_task = B >= 4 * at::get_num_threads() ? Hkv : 1;
   const int64_t tasks_per_row = Hkv / heads_per_task;
+  const int64_t lines_per_token = (heads_per_task * D + 15) / 16;  // a task's keys of one token, in cache lines
   at::parallel_for(0, B * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
     const int64_t hq_count = heads_per_task * G;
     std::vector<float> scores(hq_count * bs), running_max(hq_count), running_sum(hq_count), acc(hq_count * D);
@@ -93,7 +94,17 @@ void paged_decode_attention_impl(const float* qp, const float* kp, const float* 
       for (int64_t j = 0; j * bs < L; ++j) {
         const int64_t n = std::min(bs, L - j * bs);
         const int64_t base = table[j] * bs * token_stride + h0 * D;
+        // The next block sits anywhere in the cache, where the hardware's prefetch cannot guess it: its keys
+        // and values are fetched into L2 a share per query head while this block computes.
+        const int64_t next_n = std::min(bs, L - (j + 1) * bs);
+        const int64_t next_base = next_n > 0 ? table[j + 1] * bs * token_stride + h0 * D : 0;
+        const int64_t next_lines = next_n > 0 ? next_n * lines_per_token : 0;
         for (int64_t hq = 0; hq < hq_count; ++hq) {
+          for (int64_t i = next_lines * hq / hq_count, e = next_lines * (hq + 1) / hq_count; i < e; ++i) {
+            const int64_t offset = next_base + (i / lines_per_token) * token_stride + (i % lines_per_token) * 16;
+            __builtin_prefetch(kp + offset, 0, 2);
+            __builtin_prefetch(vp + offset, 0, 2);
+          }
           const int64_t kv_offset = base + (hq / G) * D;
           float* s = scores.data() + hq * bs;
           block_scores<kD>(qb + hq * D, kp + kv_offset, token_stride, n, D, scale, s);
