@@ -93,6 +93,12 @@ inline void transpose8x8(const float* in, int64_t ld_in, float* out, int64_t ld_
 #endif
 
 #if defined(__AVX512F__)
+// The sum of a 16-float register's halves, as eight floats (to reduce further with sum8 / sum8x4).
+inline vec8 fold16(__m512 a) {
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+  return (vec8)_mm256_add_ps(_mm512_castps512_ps256(a), hi);
+}
+
 // exp(x) for 16 floats by exp_approx's approximation (Cephes: range reduction by ln 2, degree-6 polynomial,
 // 2^n from the exponent bits), with fused multiply-adds.
 inline __m512 exp16(__m512 x) {
