@@ -13,7 +13,7 @@ void block_scores(const float* q, const float* k, int64_t stride, int64_t n, int
   if (kD) D = kD;
   int64_t t = 0;
 #if defined(__AVX512F__)
-  if (kD > 0 && kD % 16 == 0) {  // whole 16-float registers: half the multiply-adds of 8-wide ones
+  if constexpr (kD > 0 && kD % 16 == 0) {  // whole 16-float registers: half the multiply-adds of 8-wide
     for (; t + 4 <= n; t += 4) {
       __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       const float* k0 = k + t * stride;
@@ -60,8 +60,8 @@ void block_scores(const float* q, const float* k, int64_t stride, int64_t n, int
 template <int64_t kD>
 void block_values(float* acc, float c, const float* p, const float* v, int64_t stride, int64_t n, int64_t D) {
 #if defined(__AVX512F__)
-  if (kD % 16 == 0 && kD > 0) {
-    __m512 a[kD / 16 > 0 ? kD / 16 : 1];
+  if constexpr (kD > 0 && kD % 16 == 0) {
+    __m512 a[kD / 16];
     for (int64_t i = 0; i < kD / 16; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), _mm512_set1_ps(c));
     for (int64_t t = 0; t < n; ++t) {
       const __m512 w = _mm512_set1_ps(p[t]);
