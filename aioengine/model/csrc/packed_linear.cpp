@@ -154,10 +154,14 @@ void gemm_tile(const float* __restrict x, int64_t ldx, const float* __restrict w
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  // One line every `every` steps of K, counted down: a division per step would hold the FMA port.
   const int64_t every = lines > 0 ? std::max<int64_t>(1, K / lines) : K + 1;
-  int64_t issued = 0;
+  int64_t issued = 0, until = 0;
   for (int64_t k = 0; k < K; ++k) {
-    if (k % every == 0 && issued < lines) __builtin_prefetch(prefetch + 16 * issued++, 0, 2);
+    if (until-- == 0) {
+      until = every - 1;
+      if (issued < lines) __builtin_prefetch(prefetch + 16 * issued++, 0, 2);
+    }
     __m512 wv[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_ps(w + k * kGemmBlock + 16 * v);
