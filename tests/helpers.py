@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -49,6 +50,16 @@ async def wait_until(
         if loop.time() > deadline:
             raise AssertionError(f"still not {what} after {timeout}s" + (f": {state()}" if state else ""))
         await asyncio.sleep(0.001)
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or only its zombie (which whoever reaps it has not yet). A process that exits while
+    its status is read leaves the file opened but unreadable (ProcessLookupError): gone as well."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return "\nState:\tZ" in status
 
 
 async def wait_until_idle(engine: AsyncEngine, timeout: float = 5.0) -> EngineStats:

@@ -28,7 +28,7 @@ from aioengine.errors import AIOEngineError, CheckpointError, EngineDeadError, R
 from aioengine.executor.multiproc import MultiprocExecutor
 from aioengine.messages import ModelInfo
 from tests.conftest import engine_config
-from tests.helpers import TIMEOUT, final, wait_until
+from tests.helpers import TIMEOUT, final, process_gone, wait_until
 from tests.weight_swap_support import hf_greedy
 
 MAX_BATCHED_TOKENS = 32
@@ -323,15 +323,6 @@ asyncio.run(main())
 """
 """An engine process whose worker is inside a long call: writes ``worker.pid``, then the worker touches
 ``inside``, both in the directory ``argv[2]``."""
-
-
-def process_gone(pid: int) -> bool:
-    """No such process, or only its zombie (which whoever adopted it reaps)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-    return "\nState:\tZ" in status
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")

@@ -28,7 +28,7 @@ from aioengine.errors import CheckpointError, ConfigurationError, EngineDeadErro
 from aioengine.executor.ray import RayExecutor
 from aioengine.messages import ModelInfo
 from tests.conftest import engine_config
-from tests.helpers import TIMEOUT, final, wait_until
+from tests.helpers import TIMEOUT, final, process_gone, wait_until
 from tests.weight_swap_support import hf_greedy
 
 pytestmark = pytest.mark.ray
@@ -57,15 +57,6 @@ async def greedy(engine: AsyncEngine, prompts: Sequence[list[int]] = PROMPTS) ->
     """Greedy tokens of every prompt, all generated concurrently."""
     outs = await asyncio.gather(*(final(engine, p, GREEDY) for p in prompts))
     return [list(out.token_ids) for out in outs]
-
-
-def process_gone(pid: int) -> bool:
-    """No such process, or only its zombie (which its parent, Ray's raylet, reaps)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-    return "\nState:\tZ" in status
 
 
 @pytest.fixture(scope="module")
