@@ -174,7 +174,9 @@ def _decode_runner(ckpt: Path, sizes: list[int]) -> tuple[PaddedDecodeRunner, li
     caches = runner.cache_engine.device_cache
     for c in caches:
         c.normal_()
-    return PaddedDecodeRunner(runner.model, caches, sizes, 16, 4, torch.device("cpu"), use_graphs=False), caches
+    decode = PaddedDecodeRunner(runner.model, caches, sizes, 16, 4, torch.device("cpu"), use_graphs=False)
+    decode.pad = True  # eager runs at the batch's own size unless told to pad
+    return decode, caches
 
 
 def test_bucket_is_the_smallest_size_that_holds_the_batch(llama_ckpt: Path) -> None:
@@ -197,7 +199,26 @@ def test_padded_rows_write_only_the_null_block(llama_ckpt: Path) -> None:
         assert real == written
 
 
-async def test_padded_buckets_give_the_same_tokens_as_enforce_eager(make_engine, llama_ckpt: Path) -> None:
+def test_eager_decode_without_padding_runs_the_batch_at_its_own_size_with_the_same_logits(llama_ckpt: Path) -> None:
+    runner, _ = _decode_runner(llama_ckpt, [8])
+    rows: list[int] = []
+    forward = runner.model.forward
+
+    def counting(input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+        rows.append(input_ids.shape[0])
+        return forward(input_ids, *args)
+
+    runner.model.forward = counting  # type: ignore[method-assign]
+    batch = torch.tensor([11, 12, 13]), torch.tensor([17, 2, 0]), torch.tensor([[3, 4], [7, 0], [9, 0]])
+    padded = runner.run(*batch)
+    runner.pad = False
+    own = runner.run(*batch)
+    assert rows == [8, 3]
+    torch.testing.assert_close(own, padded, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pad", [True, False])
+async def test_padded_buckets_give_the_same_tokens_as_enforce_eager(make_engine, llama_ckpt: Path, pad: bool) -> None:
     prompts = [[int(t) for t in torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n))]
                for n in (3, 17, 40, 5, 66)]  # fmt: skip
     results = []
@@ -205,6 +226,8 @@ async def test_padded_buckets_give_the_same_tokens_as_enforce_eager(make_engine,
         async with make_engine(llama_ckpt, compile=compile_cfg) as engine:
             eager = await engine.collective_rpc(lambda w: w.model_runner.decode_runner is None, unique_reply_rank=0)
             assert eager == compile_cfg["enforce_eager"]
+            if not eager:  # CPU runs unpadded unless told: both ways must give the same tokens
+                await engine.collective_rpc(lambda w: setattr(w.model_runner.decode_runner, "pad", pad))
             results.append(await asyncio.gather(*(_collect(engine, p) for p in prompts)))
     assert results[0] == results[1]
 

@@ -3,8 +3,9 @@
 Static input buffers sized for the largest bucket are filled in place each step; a batch of B
 decode tokens runs as the next captured size Bp >= B, and rows B..Bp are padding that reads and
 writes only the null block (block 0, never given to a request). On CUDA each bucket is a captured
-graph sharing one memory pool; on CPU the same buffers, buckets and padding run eagerly, so CPU
-tests cover all of the bookkeeping.
+graph sharing one memory pool. Eager (CPU), a batch runs at its own size from the same buffers:
+there padding would only cost compute (10% more rows on the benchmark's decode steps), while the
+tests turn ``pad`` on to cover its bookkeeping on CPU.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class PaddedDecodeRunner:
         self.max_blocks = max_blocks_per_seq
         self.device = device
         self.use_graphs = use_graphs
+        self.pad = use_graphs
+        """Whether a batch runs at its bucket's size, padded: on where graphs replay (their shapes are fixed),
+        off eager, where a batch runs at its own size."""
         self.decode_kernel = decode_kernel  # CPU only (see AttentionMetadata.decode_kernel); never captured
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -129,6 +133,7 @@ class PaddedDecodeRunner:
         b = input_ids.shape[0]
         size = self.bucket(b)
         assert size is not None, f"decode batch {b} exceeds the largest bucket {self.max_batch_size}"
+        size = size if self.pad else b
         self._fill(input_ids, positions, block_tables, size)
         if size in self.graphs:
             self.graphs[size].replay()
