@@ -94,6 +94,16 @@ def test_kernel_equals_torch_decode_over_a_large_batch(kernel: ModuleType, dim: 
     torch.testing.assert_close(kernel_decode(kernel, **inputs), torch_decode(**inputs), atol=1e-5, rtol=1e-5)
 
 
+def test_kernel_reads_query_rows_at_any_stride(kernel: ModuleType) -> None:
+    # q as the fused qkv projection leaves it: each row's heads contiguous, rows further apart.
+    inputs = decode_rows(9, 3, 64, 16, [5, 40, 17], seed=7)
+    wide = torch.randn(3, 9 * 64 + 2 * 3 * 64)
+    wide[:, : 9 * 64] = inputs["q"].flatten(1)
+    strided = {**inputs, "q": wide[:, : 9 * 64].view(3, 9, 64)}
+    assert not strided["q"].is_contiguous()
+    torch.testing.assert_close(kernel_decode(kernel, **strided), torch_decode(**inputs), atol=1e-5, rtol=1e-5)
+
+
 BAD_INPUTS: dict[str, tuple[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], str]] = {
     "context length 0": (lambda a: {**a, "context_lens": a["context_lens"] * 0}, "context length 0 of row 0"),
     "context past the table": (lambda a: {**a, "context_lens": a["context_lens"] + 64}, r"outside 1\.\.64"),

@@ -90,8 +90,9 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
     assert tables is not None
     if meta.decode_kernel is not None:
         assert meta.decode_context_lens is not None
-        out = torch.empty_like(q)
-        meta.decode_kernel(q.contiguous(), kv_cache, tables, meta.decode_context_lens, scale, out)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        heads_contiguous = q.stride(-1) == 1 and (q.shape[1] == 1 or q.stride(1) == q.shape[-1])
+        meta.decode_kernel(q if heads_contiguous else q.contiguous(), kv_cache, tables, meta.decode_context_lens, scale, out)
         return out
     assert mask is not None
     if meta.decode_groups is None:

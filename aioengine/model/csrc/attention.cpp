@@ -91,7 +91,8 @@ void block_values(float* acc, float c, const float* p, const float* v, int64_t s
   }
 }
 
-// q [B, H, D]; kv_cache [2, num_blocks, block_size, Hkv, D]; block_tables [B, W] int64;
+// q [B, H, D] (rows at any stride q_row, each row's heads contiguous); kv_cache [2, num_blocks, block_size, Hkv,
+// D]; block_tables [B, W] int64;
 // context_lens [B] int64 (row b attends to positions 0 .. context_lens[b]-1); out [B, H, D].
 // Query head h reads KV head h / (H / Hkv), as HF's repeat_kv does.
 //
@@ -103,7 +104,7 @@ void block_values(float* acc, float c, const float* p, const float* v, int64_t s
 // the values accumulated so far rescaled when the maximum grows, so nothing the size of the context
 // is stored.
 template <int64_t kD>
-void paged_decode_attention_impl(const float* qp, const float* kp, const float* vp, const int64_t* bt,
+void paged_decode_attention_impl(const float* qp, int64_t q_row, const float* kp, const float* vp, const int64_t* bt,
                                  const int64_t* cl, float* op, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                                  int64_t bs, int64_t W, float scale) {
   const int64_t G = H / Hkv, token_stride = Hkv * D;
@@ -116,7 +117,7 @@ void paged_decode_attention_impl(const float* qp, const float* kp, const float* 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_row, h0 = (task % tasks_per_row) * heads_per_task, L = cl[b];
       const int64_t* table = bt + b * W;
-      const float* qb = qp + (b * H + h0 * G) * D;  // the task's query heads, hq_count of them
+      const float* qb = qp + b * q_row + h0 * G * D;  // the task's query heads, hq_count of them
       std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(running_sum.begin(), running_sum.end(), 0.f);
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -175,8 +176,10 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, con
   check_against_cache("paged_decode_attention", q, kv_cache, out);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode_attention: block_tables and context_lens must be int64");
-  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
-              "paged_decode_attention: q, kv_cache and out must be contiguous, out shaped like q");
+  TORCH_CHECK(q.stride(2) == 1 && (q.size(1) == 1 || q.stride(1) == q.size(2)) && kv_cache.is_contiguous() && out.is_contiguous() &&
+                  out.sizes() == q.sizes(),
+              "paged_decode_attention: each row of q must hold its heads contiguously (rows at any stride), "
+              "kv_cache and out must be contiguous, out shaped like q");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3);
   TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "paged_decode_attention: one table row per query");
@@ -197,7 +200,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, con
   const auto run = D == 64 ? paged_decode_attention_impl<64>
                    : D == 128 ? paged_decode_attention_impl<128>
                               : paged_decode_attention_impl<0>;
-  run(q.data_ptr<float>(), kp, vp, bt, cl, out.data_ptr<float>(), B, H, Hkv, D, bs, W, static_cast<float>(scale));
+  run(q.data_ptr<float>(), q.stride(0), kp, vp, bt, cl, out.data_ptr<float>(), B, H, Hkv, D, bs, W,
+      static_cast<float>(scale));
 }
 
 #if defined(__AVX512F__)
