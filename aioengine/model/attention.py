@@ -91,8 +91,9 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
     if meta.decode_kernel is not None:
         assert meta.decode_context_lens is not None
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        heads_contiguous = q.stride(-1) == 1 and (q.shape[1] == 1 or q.stride(1) == q.shape[-1])
-        meta.decode_kernel(q if heads_contiguous else q.contiguous(), kv_cache, tables, meta.decode_context_lens, scale, out)
+        if q.stride(-1) != 1 or (q.shape[1] > 1 and q.stride(1) != q.shape[-1]):  # rows may be strided, heads not
+            q = q.contiguous()
+        meta.decode_kernel(q, kv_cache, tables, meta.decode_context_lens, scale, out)
         return out
     assert mask is not None
     if meta.decode_groups is None:
