@@ -34,7 +34,10 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in ("module.cpp", "attention.cpp", "elementwise.cpp", "packed_linear.cpp")]
+_SOURCES = [
+    _CSRC / name
+    for name in ("module.cpp", "attention.cpp", "elementwise.cpp", "packed_linear.cpp", "decoder_layer.cpp")
+]
 _HEADERS = [_CSRC / "common.h", _CSRC / "kernels.h"]
 # Vectorised reductions without -ffast-math (which may link crtfastmath and set flush-to-zero for the
 # whole process).

@@ -76,14 +76,27 @@ class Linear(nn.Linear):
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias``, from the packed copy where packing is on."""
-        if self.prepack_hint is None or (torch.is_grad_enabled() and self.weight.requires_grad):
-            return F.linear(x, self.weight, bias)  # the oneDNN op has no autograd: inference only
-        if self._packed_key != _weight_key(self.weight) and not self.pack():
+        if not self._packed_current():
             return F.linear(x, self.weight, bias)
         if self._row_blocks is not None and self.kernels is not None and x.dim() == 2 and x.stride(1) == 1:
             address, floats, stride = self._row_blocks
             return self.kernels.linear_row_blocks(x, address, floats, self.out_features, stride, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+
+    def row_block_weight(self) -> tuple[int, int, int, int] | None:
+        """``(address, floats, out_features, block_stride)``: the packed copy as ``linear_row_blocks`` reads it,
+        for a caller that runs the GEMM itself (``kernels.decoder_layer``); rebuilt first where stale, as
+        ``project`` does. None where ``project`` would not run that GEMM."""
+        if not self._packed_current() or self._row_blocks is None or self.kernels is None:
+            return None
+        address, floats, stride = self._row_blocks
+        return address, floats, self.out_features, stride
+
+    def _packed_current(self) -> bool:
+        """Whether packing is on and the copy holds the current weight, rebuilding a stale copy first."""
+        if self.prepack_hint is None or (torch.is_grad_enabled() and self.weight.requires_grad):
+            return False  # the oneDNN op has no autograd: inference only
+        return self._packed_key == _weight_key(self.weight) or self.pack() > 0
 
     def pack(self) -> int:
         """Reorders the current weight now; returns the bytes of the copy. Turns packing off on error."""

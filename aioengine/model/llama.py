@@ -114,7 +114,11 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``: the previous layer's MLP output, not yet added into ``residual`` (the residual stream,
         updated in place); for the first layer the embeddings, with ``residual`` None. Each add is fused
-        into the norm that follows it."""
+        into the norm that follows it. Where the C++ kernels cover the whole layer, it is one call to them
+        (``_one_call``), computing what the modules below do."""
+        fused = self._one_call(x, residual, positions, kv_cache, meta) if self.one_call else None
+        if fused is not None:
+            return fused
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -122,6 +126,75 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(h, positions, kv_cache, meta)
         h = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
+
+    one_call: bool = True
+    """Whether the layer runs as one call to ``kernels.decoder_layer`` where that applies; off, always module
+    by module (the reference it is tested against)."""
+
+    def _one_call(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer as one C++ call: CPU, float32, AVX-512 kernels (their row-block GEMM reading every
+        linear's packed copy, the decode and prefill attention kernels the step uses), one rank, rotary over
+        the whole head. A decode step otherwise pays Python and torch's dispatch some 40 times a layer. None
+        where it does not apply."""
+        attn, mlp = self.self_attn, self.mlp
+        decoder_layer = getattr(mlp.kernels, "decoder_layer", None)
+        rotary = attn.rotary
+        if (
+            decoder_layer is None
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or not x.is_contiguous()
+            or attn.o_proj.tp.size > 1
+            or (meta.num_decodes and meta.decode_kernel is None)
+            or (meta.prefills and meta.prefill_kernel is None)
+            or rotary.kernels is None
+            or rotary.rotary_dim != attn.head_dim
+            or rotary.cos_cached.dtype != torch.float32
+        ):
+            return None
+        qkv, o = attn.qkv_proj.row_block_weight(), attn.o_proj.row_block_weight()
+        gate_up, down = mlp.gate_up_proj.row_block_weight(), mlp.down_proj.row_block_weight()
+        if qkv is None or o is None or gate_up is None or down is None:
+            return None
+        q_norm, k_norm = attn.q_norm, attn.k_norm
+        mlp_out, stream = decoder_layer(
+            x,
+            residual,
+            self.input_layernorm.weight,
+            self.input_layernorm.eps,
+            self.post_attention_layernorm.weight,
+            self.post_attention_layernorm.eps,
+            qkv,
+            attn.qkv_proj.bias,
+            o,
+            attn.o_proj.bias,
+            gate_up,
+            down,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            1e-6 if q_norm is None else q_norm.eps,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            positions,
+            rotary.cos_cached,
+            rotary.sin_cached,
+            kv_cache,
+            meta.slot_mapping,
+            meta.num_decodes,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            [(c.token_start, c.num_tokens, c.start_pos, c.block_ids) for c in meta.prefills],
+            attn.scale,
+        )
+        return mlp_out, stream
 
 
 class LlamaModel(nn.Module):

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <tuple>
+#include <vector>
 
 namespace aioengine_cpu {
 
@@ -32,6 +34,21 @@ bool row_blocks_equal(const at::Tensor& src, int64_t dst_address, int64_t dst_fl
 #if defined(__AVX512F__)
 at::Tensor linear_row_blocks(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
                              int64_t block_stride, const c10::optional<at::Tensor>& bias);
+#endif
+
+// decoder_layer.cpp
+#if defined(__AVX512F__)
+using PackedLinear = std::tuple<int64_t, int64_t, int64_t, int64_t>;  // address, floats, out_features, block_stride
+using PrefillSpan = std::tuple<int64_t, int64_t, int64_t, at::Tensor>;  // token start, tokens, start position, blocks
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm, double input_eps,
+    const at::Tensor& post_norm, double post_eps, const PackedLinear& qkv, const c10::optional<at::Tensor>& qkv_bias,
+    const PackedLinear& o, const c10::optional<at::Tensor>& o_bias, const PackedLinear& gate_up,
+    const PackedLinear& down, const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+    double qk_eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const at::Tensor& positions,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+    int64_t num_decodes, const c10::optional<at::Tensor>& decode_block_tables,
+    const c10::optional<at::Tensor>& decode_context_lens, const std::vector<PrefillSpan>& prefills, double scale);
 #endif
 
 }  // namespace aioengine_cpu

@@ -7,13 +7,15 @@
 // - pack_rows: a swapped-in linear weight written into its oneDNN-reordered copy in place;
 // - linear_row_blocks: x @ W.T (+ bias) read straight from that copy, for the few rows of a decode step
 //   (AVX-512 builds only), and row_blocks_equal, which checks that a copy is laid out as it assumes;
-// - paged prefill attention: one prompt chunk, causal, over its context in the paged cache (AVX-512 builds).
+// - paged prefill attention: one prompt chunk, causal, over its context in the paged cache (AVX-512 builds);
+// - decoder_layer: a whole Llama-family layer from the kernels above in one call (AVX-512 builds).
 //
-// This file binds them for Python; attention.cpp, elementwise.cpp and packed_linear.cpp hold them, common.h
-// their shared helpers. Built on first use by aioengine/model/cpu_kernels.py (torch.utils.cpp_extension);
+// This file binds them for Python; attention.cpp, elementwise.cpp, packed_linear.cpp and decoder_layer.cpp
+// hold them, common.h their shared helpers. Built on first use by aioengine/model/cpu_kernels.py (torch.utils.cpp_extension);
 // the plain torch paths (attention.py, layers.py, torch.argmax) compute the same things and are what these
 // are tested against.
 
+#include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include "kernels.h"
@@ -45,5 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, "Causal attention of one prefill chunk over its paged "
         "context, in place into out (CPU, float32, AVX-512)", py::arg("q"), py::arg("kv_cache"), py::arg("block_ids"),
         py::arg("start"), py::arg("scale"), py::arg("out"), release_gil());
+  m.def("decoder_layer", &decoder_layer, "One Llama-family decoder layer: norms, packed GEMMs, rotary, KV write and "
+        "paged attention in one call; returns (MLP output, residual stream) (CPU, float32, AVX-512)", release_gil());
 #endif
 }

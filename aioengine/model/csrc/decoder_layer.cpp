@@ -1,0 +1,112 @@
+// One Llama-family decoder layer in one call (CPU, float32, AVX-512 builds): the same kernels the layer's
+// modules call one by one from Python (norms, the row-block GEMMs, rotary, the paged attention kernels,
+// SiLU-and-mul), with the KV write and the views between them done here. A decode step of the real model
+// pays Python and torch's dispatch some 40 times a layer otherwise, 10-15% of its time on this CPU.
+
+#include "common.h"
+#include "kernels.h"
+
+namespace aioengine_cpu {
+
+#if defined(__AVX512F__)
+namespace {
+
+at::Tensor project(const at::Tensor& x, const PackedLinear& w, const c10::optional<at::Tensor>& bias) {
+  const auto& [address, floats, out_features, block_stride] = w;
+  return linear_row_blocks(x, address, floats, out_features, block_stride, bias);
+}
+
+// K and V [T, Hkv, D] (tokens and heads at any stride, D contiguous) of every token whose slot is >= 0 into
+// the cache [2, blocks, block_size, Hkv, D]; a negative slot is a padded token, which writes nothing.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
+  const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2);
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat &&
+                  kv_cache.size(0) == 2 && kv_cache.size(3) == Hkv && kv_cache.size(4) == D,
+              "decoder_layer: kv_cache must be a contiguous float32 [2, blocks, block_size, ", Hkv, ", ", D, "]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T,
+              "decoder_layer: slot_mapping must hold one int64 slot per token");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sp[t] < num_slots, "decoder_layer: slot ", sp[t], " of token ", t, " outside the cache's ",
+                num_slots);
+  }
+  float* kc = kv_cache.data_ptr<float>();
+  float* vc = kc + num_slots * Hkv * D;
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    if (sp[t] < 0) continue;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t dst = (sp[t] * Hkv + h) * D;
+      std::memcpy(kc + dst, kp + t * k.stride(0) + h * k.stride(1), static_cast<size_t>(D) * sizeof(float));
+      std::memcpy(vc + dst, vp + t * v.stride(0) + h * v.stride(1), static_cast<size_t>(D) * sizeof(float));
+    }
+  }
+}
+
+// [T, heads, D] at `offset` floats into each row of the fused projection's output qkv [T, row].
+at::Tensor heads_of(const at::Tensor& qkv, int64_t heads, int64_t D, int64_t offset) {
+  return qkv.as_strided({qkv.size(0), heads, D}, {qkv.size(1), D, 1}, qkv.storage_offset() + offset);
+}
+
+}  // namespace
+
+// x [T, hidden]: the previous layer's MLP output, not yet added into `residual` (the residual stream, updated
+// in place), or for the first layer the embeddings with no residual (x becomes the stream). The attention
+// metadata is the step's: `slot_mapping` [T]; the first `num_decodes` tokens are decode rows (the decode
+// kernel's block tables and context lengths); then the prefill chunks (token start, tokens, start position,
+// block ids). Returns the layer's MLP output and the residual stream, as LlamaDecoderLayer.forward does.
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm, double input_eps,
+    const at::Tensor& post_norm, double post_eps, const PackedLinear& qkv, const c10::optional<at::Tensor>& qkv_bias,
+    const PackedLinear& o, const c10::optional<at::Tensor>& o_bias, const PackedLinear& gate_up,
+    const PackedLinear& down, const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+    double qk_eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const at::Tensor& positions,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+    int64_t num_decodes, const c10::optional<at::Tensor>& decode_block_tables,
+    const c10::optional<at::Tensor>& decode_context_lens, const std::vector<PrefillSpan>& prefills, double scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "decoder_layer: x must be a contiguous float32 [tokens, hidden] CPU tensor");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decoder_layer: q_norm and k_norm come together");
+  const int64_t T = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  TORCH_CHECK(num_decodes >= 0 && num_decodes <= T, "decoder_layer: ", num_decodes, " decode rows of ", T, " tokens");
+  at::Tensor stream = residual.has_value() ? *residual : x;
+  at::Tensor h = residual.has_value() ? add_rms_norm(x, stream, input_norm, input_eps)
+                                      : rms_norm(x, input_norm, input_eps);
+
+  const at::Tensor fused = project(h, qkv, qkv_bias);
+  TORCH_CHECK(fused.size(1) == q_size + 2 * kv_size, "decoder_layer: the qkv projection has ", fused.size(1),
+              " outputs, the heads need ", q_size + 2 * kv_size);
+  at::Tensor q = heads_of(fused, num_heads, head_dim, 0);
+  at::Tensor k = heads_of(fused, num_kv_heads, head_dim, q_size);
+  const at::Tensor v = heads_of(fused, num_kv_heads, head_dim, q_size + kv_size);
+  if (q_norm.has_value()) {  // Qwen3: RMSNorm of each head before rotary (new contiguous tensors)
+    q = rms_norm(q, *q_norm, qk_eps);
+    k = rms_norm(k, *k_norm, qk_eps);
+  }
+  rotary_inplace(q, k, positions, cos, sin);
+  write_kv(k, v, kv_cache, slot_mapping);
+
+  at::Tensor attn = at::empty({T, num_heads, head_dim}, x.options());
+  if (num_decodes > 0) {
+    TORCH_CHECK(decode_block_tables.has_value() && decode_context_lens.has_value(),
+                "decoder_layer: decode rows need block tables and context lengths");
+    at::Tensor out = attn.narrow(0, 0, num_decodes);
+    paged_decode_attention(q.narrow(0, 0, num_decodes), kv_cache, *decode_block_tables, *decode_context_lens, scale,
+                           out);
+  }
+  for (const auto& [start, n, start_pos, block_ids] : prefills) {
+    TORCH_CHECK(start >= num_decodes && n > 0 && start + n <= T, "decoder_layer: a prefill chunk of ", n,
+                " tokens at ", start, " outside tokens ", num_decodes, "..", T);
+    at::Tensor out = attn.narrow(0, start, n);
+    paged_prefill_attention(q.narrow(0, start, n), kv_cache, block_ids, start_pos, scale, out);
+  }
+
+  h = add_rms_norm(project(attn.view({T, q_size}), o, o_bias), stream, post_norm, post_eps);
+  return {project(silu_and_mul(project(h, gate_up, c10::nullopt)), down, c10::nullopt), stream};
+}
+#endif
+
+}  // namespace aioengine_cpu

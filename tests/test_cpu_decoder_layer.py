@@ -1,0 +1,158 @@
+"""Specification of the one-call decoder layer (``kernels.decoder_layer``, AVX-512 builds): a layer run as one
+C++ call computes what its modules compute one by one, the same kernels in the same order, so the logits and
+the KV cache it writes are bitwise the ones of the module path, for every architecture's differences (Qwen2's
+qkv bias, Qwen3's q/k norms), mixed steps of decodes and prefill chunks, and padded tokens. Where it does not
+apply (a linear not packed, no attention kernel for the step) the layer takes the module path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+import torch
+
+from aioengine.messages import KVCacheConfig, ScheduledRequest, SchedulerOutput
+from aioengine.model.llama import LlamaDecoderLayer
+from aioengine.testing import build_checkpoint
+from aioengine.worker.cpu_worker import CPUWorker
+from aioengine.worker.model_runner import ModelRunner
+from tests.conftest import engine_config
+
+BLOCK = 16
+SHAPES = [(0, 1), (20, 9), (15, 1), (0, 5), (40, 1), (16, 1)]
+"""A mixed step as (start position, tokens): decodes at contexts 1, 16, 41 and 17 are sent ahead of a prefill
+chunk continuing at position 20 and one from 0 (prepare_inputs puts decodes first)."""
+
+
+@pytest.fixture(scope="module")
+def layer_kernel(kernel: ModuleType) -> ModuleType:
+    if not hasattr(kernel, "decoder_layer"):
+        pytest.skip("the kernels were built without decoder_layer (AVX-512 only)")
+    return kernel
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelRunner]:
+    arch = request.param
+    ckpt = build_checkpoint(tmp_path_factory.mktemp(arch), arch, hidden_size=128, intermediate_size=192,
+                            num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32)  # fmt: skip
+    worker = CPUWorker(engine_config(ckpt, compile={"enforce_eager": True}))
+    worker.init_device()
+    worker.load_model()
+    worker.initialize_from_config(KVCacheConfig(num_cache_blocks=48, block_size=BLOCK))
+    assert worker.model_runner is not None
+    yield worker.model_runner
+
+
+def mixed_step(runner: ModelRunner, shapes: list[tuple[int, int]] = SHAPES) -> tuple[torch.Tensor, ...]:
+    """Inputs of one step of ``shapes`` over distinct shuffled blocks (block 0, the null block, is never one)."""
+    gen = torch.Generator().manual_seed(5)
+    pool = (torch.randperm(47, generator=gen) + 1).tolist()
+    reqs = [ScheduledRequest(f"r{i}", torch.randint(3, 500, (n,), generator=gen).tolist(), start,
+                             [pool.pop() for _ in range(-(-(start + n) // BLOCK))], None)
+            for i, (start, n) in enumerate(shapes)]  # fmt: skip
+    inputs = runner.prepare_inputs(SchedulerOutput(0, reqs))
+    return inputs.input_ids, inputs.positions, inputs.meta, torch.arange(len(inputs.input_ids))
+
+
+def forward_both_ways(runner: ModelRunner, step: tuple) -> tuple[list[tuple[torch.Tensor, list]], list[int]]:
+    """(logits, caches) of the step with the one-call layer and with the module path, from the same random caches;
+    and how many layers ran as one call each time."""
+    assert runner.model is not None and runner.cache_engine is not None
+    gen = torch.Generator().manual_seed(11)
+    start = [torch.randn(c.shape, generator=gen) for c in runner.cache_engine.device_cache]
+    taken: list[int] = []
+    results = []
+    one_call = LlamaDecoderLayer._one_call
+
+    def counted(self: LlamaDecoderLayer, *args: object) -> object:
+        out = one_call(self, *args)  # type: ignore[arg-type]
+        taken[-1] += out is not None
+        return out
+
+    try:
+        LlamaDecoderLayer._one_call = counted  # type: ignore[method-assign,assignment]
+        for flag in (True, False):
+            LlamaDecoderLayer.one_call = flag
+            caches = [c.clone() for c in start]
+            taken.append(0)
+            with torch.inference_mode():
+                logits = runner.model(step[0], step[1], caches, step[2], step[3])
+            results.append((logits, caches))
+    finally:
+        LlamaDecoderLayer._one_call = one_call  # type: ignore[method-assign]
+        LlamaDecoderLayer.one_call = True
+    return results, taken
+
+
+def test_one_call_layers_give_the_module_paths_logits_and_cache_bit_for_bit(
+    layer_kernel: ModuleType, runner: ModelRunner
+) -> None:
+    (fused, fused_caches), (plain, plain_caches) = forward_both_ways(runner, mixed_step(runner))[0]
+    assert torch.equal(fused, plain)
+    assert all(torch.equal(a, b) for a, b in zip(fused_caches, plain_caches, strict=True))
+
+
+@pytest.mark.parametrize(
+    "shapes", [[(0, 30)], [(3, 1), (9, 1), (33, 1)], [(17, 14)]], ids=["prompt", "decodes", "chunk"]
+)
+def test_every_layer_runs_as_one_call_on_every_kind_of_step(
+    layer_kernel: ModuleType, runner: ModelRunner, shapes: list[tuple[int, int]]
+) -> None:
+    results, taken = forward_both_ways(runner, mixed_step(runner, shapes))
+    assert taken == [runner.model_info().num_layers, 0]
+    assert torch.equal(results[0][0], results[1][0])
+
+
+def test_padded_tokens_write_no_kv_and_leave_the_real_rows_as_they_are(
+    layer_kernel: ModuleType, runner: ModelRunner
+) -> None:
+    ids, positions, meta, _ = mixed_step(runner, [(3, 1), (9, 1), (33, 1)])
+    padded = torch.cat([ids, ids[:1]]), torch.cat([positions, positions[:1]])
+    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.tensor([-1])])
+    meta.has_padding = True
+    assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+    meta.decode_block_tables = torch.cat([meta.decode_block_tables, meta.decode_block_tables[:1]])
+    meta.decode_context_lens = torch.cat([meta.decode_context_lens, meta.decode_context_lens[:1]])
+    meta.num_decodes += 1
+    results, taken = forward_both_ways(runner, (*padded, meta, torch.arange(4)))
+    (fused, fused_caches), (plain, plain_caches) = results
+    assert taken[0] == runner.model_info().num_layers
+    assert torch.equal(fused, plain)
+    assert all(torch.equal(a, b) for a, b in zip(fused_caches, plain_caches, strict=True))
+
+
+def test_a_layer_whose_linear_is_not_packed_takes_the_module_path(
+    layer_kernel: ModuleType, runner: ModelRunner
+) -> None:
+    assert runner.model is not None
+    layer = runner.model.model.layers[1]
+    linear = layer.mlp.down_proj
+    row_blocks = linear._row_blocks
+    linear._row_blocks = None  # a copy not in the row-block layout: oneDNN's GEMM reads it
+    try:
+        results, taken = forward_both_ways(runner, mixed_step(runner))
+    finally:
+        linear._row_blocks = row_blocks
+    assert taken == [runner.model_info().num_layers - 1, 0]
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_without_the_attention_kernels_takes_the_module_path(
+    layer_kernel: ModuleType, runner: ModelRunner
+) -> None:
+    ids, positions, meta, rows = mixed_step(runner)
+    meta.prefill_kernel = None  # SDPA for the chunks: the whole layer stays in Python
+    results, taken = forward_both_ways(runner, (ids, positions, meta, rows))
+    assert taken == [0, 0]
+    assert torch.equal(results[0][0], results[1][0])
+
+
+def test_kernel_refuses_a_slot_outside_the_cache_naming_it(layer_kernel: ModuleType, runner: ModelRunner) -> None:
+    ids, positions, meta, rows = mixed_step(runner, [(3, 1), (9, 1)])
+    meta.slot_mapping = torch.tensor([5, 48 * BLOCK])
+    assert runner.model is not None and runner.cache_engine is not None
+    with pytest.raises(RuntimeError, match=f"slot {48 * BLOCK} of token 1 outside"), torch.inference_mode():
+        runner.model(ids, positions, runner.cache_engine.device_cache, meta, rows)
