@@ -4,7 +4,8 @@ reload_weights.
 Expected outputs come from a run of the same engine before it slept (or from an uninterrupted run
 of the same prompts); expected byte counts come from the checkpoint's own config and tensors, never
 from the engine. Memory is read from the process (/proc/self/statm): the thread executor runs the
-worker in this process, so what the worker frees shows in our resident set.
+worker in its engine's process, so what the worker frees shows in that resident set. The memory tests
+run their engine in a fresh interpreter, where no earlier test's heap or collected engine can move it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import gc
 import json
 import os
 import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -77,6 +80,45 @@ def weight_bytes(path: Path) -> int:
     return total
 
 
+MEMORY_SCRIPT = """
+import asyncio, json, sys
+from pathlib import Path
+from aioengine import AsyncEngine
+from tests.conftest import engine_config
+from tests.test_sleep import rss_bytes, use_whole_kv_cache
+
+async def main(path, blocks, level):
+    rss = {}
+    async with AsyncEngine(engine_config(Path(path), cache={"num_blocks": blocks})) as engine:
+        await use_whole_kv_cache(engine)
+        rss["awake"] = rss_bytes()
+        report = await engine.sleep(level=level)
+        rss["asleep"] = rss_bytes()
+        await engine.wake_up()
+        if level == 2:
+            await engine.reload_weights()
+        rss["woken"] = rss_bytes()
+        await use_whole_kv_cache(engine)
+        rss["used"] = rss_bytes()
+    print(json.dumps({**rss, "freed": [report.freed_bytes.weights, report.freed_bytes.kv_cache]}))
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+"""
+"""An engine in a fresh interpreter: resident bytes awake (its whole KV cache written), asleep at ``level``,
+woken (and, at level 2, reloaded), and in use again; and the bytes the sleep reported freed."""
+
+
+def memory_readings(ckpt: Path, num_blocks: int, level: int) -> dict[str, Any]:
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT, str(ckpt), str(num_blocks), str(level)],
+        cwd=root, capture_output=True, text=True, timeout=10 * TIMEOUT, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    readings: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return readings
+
+
 @pytest.fixture(scope="module")
 def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """~65 MB of embeddings + lm_head (vocab 32000 x hidden 256), 32 KiB per KV block."""
@@ -106,20 +148,13 @@ async def test_level_2_greedy_outputs_after_wake_and_reload_equal_those_before_s
 
 
 # ---- memory: freed for real, and reported exactly --------------------------------------------------------
-async def test_level_1_resident_memory_drops_by_the_kv_cache_and_rises_again_as_the_woken_cache_is_used(
-    big_ckpt: Path, make_engine: Callable[..., AsyncEngine]
+def test_level_1_resident_memory_drops_by_the_kv_cache_and_rises_again_as_the_woken_cache_is_used(
+    big_ckpt: Path,
 ) -> None:
     kv = kv_cache_bytes(big_ckpt, MEMORY_BLOCKS)
-    async with make_engine(big_ckpt, cache={"num_blocks": MEMORY_BLOCKS}) as engine:
-        await use_whole_kv_cache(engine)
-        awake = rss_bytes()
-        report = await engine.sleep(level=1)
-        asleep = rss_bytes()
-        await engine.wake_up()
-        woken = rss_bytes()
-        await use_whole_kv_cache(engine)
-        used = rss_bytes()
-    assert report.freed_bytes.kv_cache == kv
+    rss = memory_readings(big_ckpt, MEMORY_BLOCKS, level=1)
+    awake, asleep, woken, used = rss["awake"], rss["asleep"], rss["woken"], rss["used"]
+    assert rss["freed"][1] == kv
     assert awake - asleep >= 0.8 * kv, f"resident memory dropped {awake - asleep} bytes; the KV cache is {kv}"
     # The woken cache is mapped, not yet resident: it takes memory as blocks are written.
     assert woken - asleep < 0.2 * kv, f"resident memory rose {woken - asleep} bytes on wake, before any use"
@@ -135,20 +170,11 @@ async def test_level_1_on_cpu_keeps_the_weights_in_host_memory_and_says_so(
     assert any("host memory" in note for note in report.notes), report.notes
 
 
-async def test_level_2_resident_memory_drops_by_kv_cache_and_weights_and_rises_on_wake_and_reload(
-    big_ckpt: Path, make_engine: Callable[..., AsyncEngine]
-) -> None:
+def test_level_2_resident_memory_drops_by_kv_cache_and_weights_and_rises_on_wake_and_reload(big_ckpt: Path) -> None:
     kv, weights = kv_cache_bytes(big_ckpt, LEVEL_2_BLOCKS), weight_bytes(big_ckpt)
-    async with make_engine(big_ckpt, cache={"num_blocks": LEVEL_2_BLOCKS}) as engine:
-        await use_whole_kv_cache(engine)
-        awake = rss_bytes()
-        report = await engine.sleep(level=2)
-        asleep = rss_bytes()
-        await engine.wake_up()
-        await engine.reload_weights()
-        await use_whole_kv_cache(engine)
-        reloaded = rss_bytes()
-    assert report.freed_bytes == TagBytes(weights=weights, kv_cache=kv)
+    rss = memory_readings(big_ckpt, LEVEL_2_BLOCKS, level=2)
+    awake, asleep, reloaded = rss["awake"], rss["asleep"], rss["used"]
+    assert rss["freed"] == [weights, kv]
     assert awake - asleep >= 0.8 * (kv + weights), (
         f"resident memory dropped {awake - asleep} bytes; KV cache {kv} + weights {weights}"
     )
