@@ -95,6 +95,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    one_call: bool = True
+    """Whether the layer runs as one call to ``kernels.decoder_layer`` where that applies; off, always module
+    by module (the reference it is tested against)."""
+
     def __init__(
         self, cfg: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel
     ) -> None:
@@ -126,10 +130,6 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(h, positions, kv_cache, meta)
         h = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
-
-    one_call: bool = True
-    """Whether the layer runs as one call to ``kernels.decoder_layer`` where that applies; off, always module
-    by module (the reference it is tested against)."""
 
     def _one_call(
         self,
