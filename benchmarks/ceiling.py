@@ -131,7 +131,7 @@ def measure_gemm_peak(shapes: tuple[tuple[int, int, int], ...] = GEMM_SHAPES, ru
     import torch.nn.functional as F
 
     from aioengine.model import cpu_kernels
-    from aioengine.model.layers import cpu_prepack_supported
+    from aioengine.model.linear import cpu_prepack_supported
     from benchmarks.cpu_load import CpuLoad
     from benchmarks.gemm import packed as packed_linear  # gemm imports this module: imported here
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from aioengine.config import SchedulerConfig
 from aioengine.model import cpu_kernels
-from aioengine.model.layers import Linear, cpu_prepack_supported, set_weight_prepack
+from aioengine.model.linear import Linear, cpu_prepack_supported, set_weight_prepack
 from benchmarks.ceiling import ModelShape
 from benchmarks.workload import MODELS, checkpoint
 

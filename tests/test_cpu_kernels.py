@@ -25,7 +25,7 @@ from aioengine import AsyncEngine
 from aioengine.messages import ScheduledRequest, SchedulerOutput
 from aioengine.model import cpu_kernels
 from aioengine.model.attention import _decode_rows, paged_attention
-from aioengine.model.layers import Linear
+from aioengine.model.linear import Linear
 from aioengine.sampling.params import SamplingParams
 from aioengine.worker.model_runner import ModelRunner
 from tests.conftest import engine_config

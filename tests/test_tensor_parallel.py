@@ -30,7 +30,7 @@ from aioengine import AsyncEngine, SamplingParams
 from aioengine.config import EngineConfig
 from aioengine.errors import CheckpointError, EngineDeadError, RequestAbortedError, UnsupportedModelError
 from aioengine.executor.multiproc import MultiprocExecutor
-from aioengine.model.layers import dense_parameters
+from aioengine.model.linear import dense_parameters
 from aioengine.model.loader import checkpoint_files
 from aioengine.testing import build_checkpoint
 from aioengine.worker.weights import tensor_source

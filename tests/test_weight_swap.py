@@ -22,7 +22,7 @@ import torch
 
 from aioengine import AsyncEngine
 from aioengine.errors import CheckpointError, EngineStateError
-from aioengine.model import layers
+from aioengine.model import linear
 from aioengine.worker import worker as worker_module
 from tests.helpers import TIMEOUT, wait_until, weight_addresses
 from tests.weight_swap_support import (
@@ -284,7 +284,7 @@ async def test_the_pause_covers_the_read_of_a_streamed_source_and_only_the_copy_
 
 
 @pytest.mark.skipif(
-    not layers.cpu_prepack_supported(torch.device("cpu"), torch.float32), reason="no oneDNN-packed linear layers here"
+    not linear.cpu_prepack_supported(torch.device("cpu"), torch.float32), reason="no oneDNN-packed linear layers here"
 )
 async def test_staging_beside_serving_leaves_a_running_forward_the_packed_weights_it_runs_from(
     engine: AsyncEngine, ckpt_b: Path, ref: dict[str, list[list[int]]], monkeypatch: pytest.MonkeyPatch
@@ -293,7 +293,7 @@ async def test_staging_beside_serving_leaves_a_running_forward_the_packed_weight
     # layer, after it found the layer's packed copy current and before it uses it, until the staging is done:
     # had the check dropped the copy, the layer would compute from None (an empty output; the engine died).
     held, staged = threading.Event(), threading.Event()
-    weight_key, stage = layers._weight_key, worker_module.stage_weights
+    weight_key, stage = linear._weight_key, worker_module.stage_weights
 
     def weight_key_holding_the_first_forward(weight: torch.Tensor) -> tuple[int, int]:
         if sys._getframe(1).f_code.co_name == "_packed_current" and not held.is_set():
@@ -307,7 +307,7 @@ async def test_staging_beside_serving_leaves_a_running_forward_the_packed_weight
         finally:
             staged.set()
 
-    monkeypatch.setattr(layers, "_weight_key", weight_key_holding_the_first_forward)
+    monkeypatch.setattr(linear, "_weight_key", weight_key_holding_the_first_forward)
     monkeypatch.setattr(worker_module, "stage_weights", stage_then_let_the_forward_go_on)
     request = asyncio.create_task(final(engine, PROMPTS[0], greedy(1)))
     await wait_until(held.is_set, "a forward held in its first linear layer")

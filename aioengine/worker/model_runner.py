@@ -28,13 +28,8 @@ from aioengine.messages import (
 from aioengine.model import cpu_kernels
 from aioengine.model.attention import AttentionMetadata, PrefillChunk, split_decode_rows
 from aioengine.model.hf_config import CheckpointConfig, load_hf_config
-from aioengine.model.layers import (
-    cpu_prepack_supported,
-    drop_packed_weights,
-    release_plain_weights,
-    set_weight_prepack,
-    use_cpu_kernels,
-)
+from aioengine.model.layers import use_cpu_kernels
+from aioengine.model.linear import cpu_prepack_supported, drop_packed_weights, release_plain_weights, set_weight_prepack
 from aioengine.model.llama import LlamaForCausalLM, tp_heads
 from aioengine.model.loader import load_model, resolve_dtype, resolve_max_model_len
 from aioengine.model.parallel import SINGLE, TensorParallel
@@ -142,7 +137,7 @@ class ModelRunner:
     def prepack_weights(self) -> int:
         """(Re)builds the oneDNN copies of the linear weights where they are on (``device.cpu_weight_prepack``,
         CPU, float32); returns their bytes. Called after the weights change (never on discarded ones: the
-        worker asks its sleep backend first); see ``layers.Linear``."""
+        worker asks its sleep backend first); see ``linear.Linear``."""
         if self.model is None:
             return 0
         on = self.config.device.cpu_weight_prepack and cpu_prepack_supported(self.device, self.dtype)

@@ -1,0 +1,371 @@
+"""The linear layer and its packed weights: ``Linear`` runs from a oneDNN-reordered copy of its weight on
+CPU (multiplied there by oneDNN or by the kernels' row-block GEMM), rewritten in place on a swap; and the
+model-wide switches over every such layer (packing on or off, stale, dropped, plain weights released)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aioengine.model.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``Linear`` can run from oneDNN-reordered weights here: CPU, float32, oneDNN ops present."""
+    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that can run from a oneDNN-reordered copy of its weight (CPU, float32).
+
+    torch's CPU ``F.linear`` calls MKL's sgemm, which packs the weight again on every call; for the
+    few rows of a decode step that packing is most of the GEMM, and on AMD CPUs MKL also takes a
+    generic code path. oneDNN with the weight reordered once runs the same GEMMs 1.5-7x faster here
+    (``python -m benchmarks gemm``). The copy follows the weight: the first forward after it was
+    marked stale (every write through ``WeightPlan`` and ``model.weights_changed()`` do that) or
+    dropped (sleep), or after the weight's storage or version changed, reorders it again: into the
+    existing copy where the kernels know its layout (``pack_rows``: a swap then touches no fresh
+    memory, and writes the copy in the same pass as the weight), else anew. It costs a second copy
+    of the weight in memory, unless the plain weight is released (below).
+
+    Where the kernels have ``linear_row_blocks`` (AVX-512 builds) and the copy is laid out in 64-row
+    blocks (checked value for value each time it is made), the GEMM runs there instead of in oneDNN,
+    reading the same copy: 1.05-1.75x oneDNN's speed for the 1-64 rows of a decode step, level from
+    128 rows (``python -m benchmarks gemm``).
+
+    With ``keep_plain`` off (the model runner's choice for layers that own their weight alone), a copy
+    that the kernels can rewrite in place becomes the weight's one store once it is made: the parameter
+    is replaced by one of its shape and dtype on the meta device (no memory; reading it fails loudly
+    instead of giving stale values), writes go into the copy alone (``write_rows``), and
+    ``dense_weight()`` (``dense_parameters`` for a model) reads the values back. That halves the layer's
+    memory and the bytes a swap writes.
+    """
+
+    prepack_hint: int | None = None
+    """None: plain ``F.linear``. Otherwise packing is on, reordered for batches of about this many rows."""
+    kernels: ModuleType | None = None
+    """The C++ CPU kernels (``use_cpu_kernels``): with them a stale copy is rebuilt in place."""
+    _packed: torch.Tensor | None = None
+    _packed_key: tuple[int, int] | None = None
+    _packed_source: torch.UntypedStorage | None = None
+    """The storage the copy was made from, held so a swapped-in storage can never reuse its address."""
+    _rows_packed: int = 0
+    """Rows written into the stale copy by ``write_rows`` since it was marked stale (all: it is current)."""
+    _packed_for: int = 0
+    """The rows oneDNN reordered the copy for (``reorder_hint()`` when it was made): its layout follows."""
+    _row_blocks: tuple[int, int, int] | None = None
+    """``(address, floats, block_stride)`` of the copy where ``kernels.linear_row_blocks`` reads it (64-row
+    blocks, checked against the weight); None: oneDNN's GEMM."""
+    keep_plain: bool = True
+    """False: once a copy is made that ``pack_rows`` rewrites in place, the plain weight is released."""
+    _released: tuple[int, int] | None = None
+    """The layout (``row_block_layout``) of the copy while it is the weight's one store (plain released)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias``, from the packed copy where packing is on."""
+        if not self._packed_current():
+            return F.linear(x, self.weight, bias)
+        if self._row_blocks is not None and self.kernels is not None and x.dim() == 2 and x.stride(1) == 1:
+            address, floats, stride = self._row_blocks
+            return self.kernels.linear_row_blocks(x, address, floats, self.out_features, stride, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+
+    def row_block_weight(self) -> tuple[int, int, int, int] | None:
+        """``(address, floats, out_features, block_stride)``: the packed copy as ``linear_row_blocks`` reads it,
+        for a caller that runs the GEMM itself (``kernels.decoder_layer``); rebuilt first where stale, as
+        ``project`` does. None where ``project`` would not run that GEMM."""
+        if not self._packed_current() or self._row_blocks is None or self.kernels is None:
+            return None
+        address, floats, stride = self._row_blocks
+        return address, floats, self.out_features, stride
+
+    def _packed_current(self) -> bool:
+        """Whether packing is on and the copy holds the current weight, rebuilding a stale copy first."""
+        if self.prepack_hint is None or (torch.is_grad_enabled() and self.weight.requires_grad):
+            return False  # the oneDNN op has no autograd: inference only
+        return self._packed_key == _weight_key(self.weight) or self.pack() > 0
+
+    def pack(self) -> int:
+        """Reorders the current weight now; returns the bytes of the copy. Turns packing off on error."""
+        assert self.prepack_hint is not None
+        if self._released is not None:  # the copy is the weight: every write went into it
+            self._packed_key = _weight_key(self.weight)
+            return self.weight.nbytes
+        weight = self.weight.detach()
+        if not self._pack_in_place(weight):
+            try:
+                self._packed_for = self.reorder_hint()
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, self._packed_for)
+            except RuntimeError as exc:  # e.g. a dtype this CPU's oneDNN has no kernel for
+                logger.warning("oneDNN weight reorder failed (%s); this layer runs F.linear", exc)
+                self.prepack_hint = None
+                self.drop_packed()
+                return 0
+            self._row_blocks = self._checked_row_blocks(weight)
+        self._packed_key = _weight_key(self.weight)
+        self._packed_source = weight.untyped_storage()
+        if not self.keep_plain:
+            self._release_plain(weight)
+        return weight.nbytes
+
+    @property
+    def plain_released(self) -> bool:
+        """Whether the packed copy is the weight's one store (the parameter is a meta placeholder)."""
+        return self._released is not None
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight's values as an ``[out, in]`` tensor: the parameter, or one read back from the copy."""
+        if self._released is None or self._packed is None:
+            return self.weight.detach()
+        return self._packed.to_dense()
+
+    def _release_plain(self, weight: torch.Tensor) -> None:
+        layout = self._in_place_layout(weight)
+        if layout is None:
+            return  # only a copy the kernels can rewrite in place can take the weight's writes
+        self._released = layout
+        self._packed_source = None
+        # A new parameter object: one may not point an existing CPU parameter at meta data.
+        self.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
+        self._packed_key = _weight_key(self.weight)
+
+    def packed_current(self) -> bool:
+        """Whether a packed copy exists and was made from the weight as it is now (as far as can be seen:
+        writes through ``.data`` show only through ``mark_packed_stale``, which every weight write calls)."""
+        return self._packed is not None and self._packed_key == _weight_key(self.weight)
+
+    def _pack_in_place(self, weight: torch.Tensor) -> bool:
+        """Brings the packed copy it already has (stale, same shape) up to ``weight`` without fresh memory:
+        nothing to do where a weight write already wrote every row into it (``write_rows``), else the
+        kernels rewrite it where they know oneDNN's layout; False where it must be reordered anew."""
+        layout = self._in_place_layout(weight)
+        if layout is None:
+            return False
+        if self._rows_packed != weight.shape[0]:
+            self._write_packed(weight, 0, layout, None)
+        self._rows_packed = 0
+        # Every row is now written under the proven layout, so the GEMM may read it if it is 64-row blocks.
+        self._row_blocks = self._row_blocks_at(layout[1]) if layout[0] == _GEMM_BLOCK else None
+        return True
+
+    def reorder_hint(self) -> int:
+        """The rows a fresh copy is reordered for: ``prepack_hint``, but at least 64 where the row-block
+        GEMM can read the copy. It runs every row count itself, and oneDNN lays out a copy for 64 rows in
+        the 64-row blocks it reads, where for fewer it may pick another layout (at one row, the plain one)."""
+        assert self.prepack_hint is not None
+        if _has_row_block_gemm(self.kernels):
+            return max(self.prepack_hint, _GEMM_BLOCK)
+        return self.prepack_hint
+
+    def _row_blocks_at(self, stride: int) -> tuple[int, int, int] | None:
+        """``_row_blocks`` of the copy read as 64-row blocks at ``stride``; None without the GEMM."""
+        if self._packed is None or not _has_row_block_gemm(self.kernels):
+            return None
+        return torch.ops.mkldnn.data_ptr(self._packed), _packed_floats(self._packed), stride
+
+    def _checked_row_blocks(self, weight: torch.Tensor) -> tuple[int, int, int] | None:
+        """The copy just made by oneDNN, as ``linear_row_blocks`` reads it, if it holds ``weight`` in 64-row
+        blocks value for value (one read of each); else None (oneDNN's GEMM reads it)."""
+        kernels, packed = self.kernels, self._packed
+        if kernels is None or packed is None or not _has_row_block_gemm(kernels):
+            return None
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+            return None
+        floats, blocks = _packed_floats(packed), -(-weight.shape[0] // _GEMM_BLOCK)
+        if floats % blocks or floats // blocks < weight.shape[1] * _GEMM_BLOCK:
+            return None
+        view = self._row_blocks_at(floats // blocks)
+        if view is None or not kernels.row_blocks_equal(weight, view[0], floats, _GEMM_BLOCK, view[2]):
+            return None
+        return view
+
+    def write_rows(self, offset: int, piece: torch.Tensor, src: torch.Tensor) -> bool:
+        """Copies ``src`` into rows ``[offset, offset + len(src))`` of the weight (``piece`` is that view of
+        it) and of the packed copy, in one pass over ``src``. False, with nothing written, where the
+        in-place path does not apply (then ``piece.copy_(src)``, and the copy is rebuilt when the weight
+        is complete). A released weight takes ``src`` of any dtype, device or layout into its copy alone."""
+        if self._released is not None:
+            if tuple(src.shape) != tuple(piece.shape):
+                raise ValueError(f"write_rows: src has shape {tuple(src.shape)}, the rows {tuple(piece.shape)}")
+            self._write_packed(src.to(device="cpu", dtype=torch.float32).contiguous(), offset, self._released, None)
+            return True
+        layout = self._in_place_layout(self.weight)
+        if layout is None or src.dtype != torch.float32 or src.device.type != "cpu" or not src.is_contiguous():
+            return False
+        if tuple(src.shape) != tuple(piece.shape) or not piece.is_contiguous():
+            return False
+        self._write_packed(src, offset, layout, piece)
+        self._rows_packed += src.shape[0]
+        return True
+
+    def _in_place_layout(self, weight: torch.Tensor) -> tuple[int, int] | None:
+        packed, kernels = self._packed, self.kernels
+        if packed is None or kernels is None or self.prepack_hint is None or tuple(packed.shape) != tuple(weight.shape):
+            return None
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+            return None
+        return row_block_layout(kernels, weight.shape[0], weight.shape[1], self._packed_for)
+
+    def _write_packed(
+        self, src: torch.Tensor, offset: int, layout: tuple[int, int], plain: torch.Tensor | None
+    ) -> None:
+        assert self._packed is not None and self.kernels is not None
+        address, floats = torch.ops.mkldnn.data_ptr(self._packed), _packed_floats(self._packed)
+        self.kernels.pack_rows(src.detach(), offset, address, floats, *layout, plain)
+
+    def mark_packed_stale(self) -> None:
+        """The weight was (or is being) written: the next forward or ``pack`` rebuilds the copy, in place
+        where it can, so the copy's memory is kept."""
+        self._packed_key = None
+        self._rows_packed = 0
+
+    def drop_packed(self, keep_values: bool = True) -> None:
+        """Frees the packed copy (sleep, a lost write, packing turned off). Where it was the weight's one store
+        the plain weight comes back first: read from the copy, or (``keep_values=False``: the weights are
+        being discarded) uninitialised."""
+        if self._released is not None:
+            shape, dtype = self.weight.shape, self.weight.dtype
+            plain = self.dense_weight() if keep_values else torch.empty(shape, dtype=dtype)
+            self.weight = nn.Parameter(plain, requires_grad=False)
+            self._released = None
+        self._packed = None
+        self._row_blocks = None
+        self._packed_key = None
+        self._packed_source = None
+        self._rows_packed = 0
+
+
+_GEMM_BLOCK = 64
+"""The row block of the copies ``linear_row_blocks`` reads."""
+
+
+def _has_row_block_gemm(kernels: ModuleType | None) -> bool:
+    """Whether these kernels have ``linear_row_blocks`` (AVX-512 builds do)."""
+    return hasattr(kernels, "linear_row_blocks")
+
+
+def _packed_floats(packed: torch.Tensor) -> int:
+    return int(torch.ops.mkldnn._nbytes(packed)) // 4
+
+
+@functools.cache
+def row_block_layout(kernels: ModuleType, out_features: int, in_features: int, hint: int) -> tuple[int, int] | None:
+    """``(block, block_stride)`` of ``pack_rows`` under which oneDNN lays out an ``[out, in]``
+    float32 weight reordered for ``hint`` rows here, or None (it then is reordered anew, as before).
+
+    oneDNN chooses the layout, so it is found, not assumed: for each candidate block size a probe of
+    distinct values is written in place into a fresh reorder of zeros and read back through oneDNN's own
+    ``to_dense``; the first candidate that returns the probe exactly is the layout. Once per shape and
+    process (the first swap pays it: ~0.2 s for a 49k-row LM head)."""
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
+        return None
+    # Distinct, normal floats (1.0 upwards, one ulp apart): unlike random draws, no two can be equal.
+    one = 0x3F800000
+    probe = torch.arange(out_features * in_features, dtype=torch.int32).add_(one).view(torch.float32)
+    probe = probe.view(out_features, in_features)
+    for block in (64, 32, 16, 8, 48, 128):
+        target = ops._reorder_linear_weight(torch.zeros_like(probe), hint)
+        floats, blocks = _packed_floats(target), -(-out_features // block)
+        if floats % blocks or floats // blocks < in_features * block:
+            continue
+        kernels.pack_rows(probe, 0, ops.data_ptr(target), floats, block, floats // blocks)
+        if torch.equal(target.to_dense(), probe):
+            return block, floats // blocks
+    logger.info("no in-place layout for a [%d, %d] oneDNN weight; swaps reorder it anew", out_features, in_features)
+    return None
+
+
+class RowParallelLinear(Linear):
+    """A linear layer whose input features are split over the tensor-parallel ranks: each rank multiplies
+    its slice, the partial sums are all-reduced, and the bias (replicated) is added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.project(x, self.bias)
+        out = self.tp.all_reduce(self.project(x, None))
+        return out if self.bias is None else out + self.bias
+
+
+def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
+    """Changes whenever the weight's storage is swapped or it is written in place."""
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor tracks no version: only a storage swap shows
+        version = -1
+    return weight.data_ptr(), version
+
+
+def set_weight_prepack(model: nn.Module, hint: int | None) -> int:
+    """Turns oneDNN packing of every ``Linear`` on (reordered now) or off (None); returns bytes packed.
+
+    A layer already packed for this hint from its current weight (a weight write packs each layer as its
+    weight is completed, ``LlamaForCausalLM.weight_written``) keeps its copy."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            if hint is not None and module.prepack_hint == hint and module.packed_current():
+                continue
+            if module.prepack_hint != hint:
+                module.drop_packed()  # a copy for another hint has another layout (or packing goes off)
+            module.prepack_hint = hint
+            if hint is not None:
+                total += module.pack()
+    return total
+
+
+def drop_packed_weights(model: nn.Module, keep_values: bool = True) -> None:
+    """Frees every packed copy (they come back on the next forward, or ``set_weight_prepack``); see
+    ``Linear.drop_packed`` for ``keep_values``."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.drop_packed(keep_values)
+
+
+def release_plain_weights(model: nn.Module, release: bool) -> None:
+    """Sets ``keep_plain`` of every ``Linear``: off (``release``) where the layer owns its weight alone, on
+    elsewhere. A weight held by another module too (a tied LM head's embedding) always stays plain."""
+    holders: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        holders[id(param)] = holders.get(id(param), 0) + 1
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.keep_plain = not (release and holders.get(id(module.weight), 0) == 1)
+
+
+def released_linears(model: nn.Module) -> dict[int, Linear]:
+    """The layers whose packed copy is their weight's one store (``Linear.plain_released``), by the id of
+    their placeholder parameter."""
+    return {id(m.weight): m for m in model.modules() if isinstance(m, Linear) and m.plain_released}
+
+
+def dense_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter by name with its values: a released weight read back from its packed copy. What code
+    that reads weights uses, instead of ``named_parameters()``."""
+    dense = released_linears(model)
+    return {name: dense[id(p)].dense_weight() if id(p) in dense else p.detach() for name, p in model.named_parameters()}
+
+
+def mark_packed_weights_stale(model: nn.Module) -> None:
+    """Marks every packed copy stale, keeping its memory: rebuilt (in place where the layout is known) on
+    the next forward, ``weight_written`` or ``set_weight_prepack``."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.mark_packed_stale()
