@@ -296,7 +296,7 @@ async def test_staging_beside_serving_leaves_a_running_forward_the_packed_weight
     weight_key, stage = linear._weight_key, worker_module.stage_weights
 
     def weight_key_holding_the_first_forward(weight: torch.Tensor) -> tuple[int, int]:
-        if sys._getframe(1).f_code.co_name == "_packed_current" and not held.is_set():
+        if sys._getframe(1).f_code.co_name == "_ensure_packed" and not held.is_set():
             held.set()
             staged.wait(TIMEOUT)
         return weight_key(weight)

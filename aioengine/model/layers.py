@@ -137,14 +137,14 @@ class RotaryEmbedding(nn.Module):
         self.cos_cached = (emb.cos() * self._scaling).to(device)
         self.sin_cached = (emb.sin() * self._scaling).to(device)
 
+    def kernel_covers(self, head_dim: int) -> bool:
+        """Whether ``kernels.rotary_inplace`` computes this rotary for heads of ``head_dim`` (float32 inputs
+        given): kernels handed over, rotary over the whole head, float32 tables."""
+        return self.kernels is not None and self.rotary_dim == head_dim and self.cos_cached.dtype == torch.float32
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D]; returns both rotated (the kernel rotates them in place)."""
-        if (
-            _fits_kernels(self.kernels, q)
-            and k.dtype == torch.float32
-            and self.rotary_dim == q.shape[-1]
-            and self.cos_cached.dtype == torch.float32
-        ):
+        if _fits_kernels(self.kernels, q) and k.dtype == torch.float32 and self.kernel_covers(q.shape[-1]):
             self.kernels.rotary_inplace(q, k, positions, self.cos_cached, self.sin_cached)
             return q, k
         cos = self.cos_cached[positions].unsqueeze(1).to(q.dtype)

@@ -76,7 +76,7 @@ class Linear(nn.Linear):
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias``, from the packed copy where packing is on."""
-        if not self._packed_current():
+        if not self._ensure_packed():
             return F.linear(x, self.weight, bias)
         if self._row_blocks is not None and self.kernels is not None and x.dim() == 2 and x.stride(1) == 1:
             address, floats, stride = self._row_blocks
@@ -87,12 +87,12 @@ class Linear(nn.Linear):
         """``(address, floats, out_features, block_stride)``: the packed copy as ``linear_row_blocks`` reads it,
         for a caller that runs the GEMM itself (``kernels.decoder_layer``); rebuilt first where stale, as
         ``project`` does. None where ``project`` would not run that GEMM."""
-        if not self._packed_current() or self._row_blocks is None or self.kernels is None:
+        if not self._ensure_packed() or self._row_blocks is None or self.kernels is None:
             return None
         address, floats, stride = self._row_blocks
         return address, floats, self.out_features, stride
 
-    def _packed_current(self) -> bool:
+    def _ensure_packed(self) -> bool:
         """Whether packing is on and the copy holds the current weight, rebuilding a stale copy first."""
         if self.prepack_hint is None or (torch.is_grad_enabled() and self.weight.requires_grad):
             return False  # the oneDNN op has no autograd: inference only

@@ -147,9 +147,7 @@ class LlamaDecoderLayer(nn.Module):
             or attn.o_proj.tp.size > 1
             or (meta.num_decodes and meta.decode_kernel is None)
             or (meta.prefills and meta.prefill_kernel is None)
-            or rotary.kernels is None
-            or rotary.rotary_dim != attn.head_dim
-            or rotary.cos_cached.dtype != torch.float32
+            or not rotary.kernel_covers(attn.head_dim)
         ):
             return None
         qkv, o = attn.qkv_proj.row_block_weight(), attn.o_proj.row_block_weight()
@@ -157,7 +155,7 @@ class LlamaDecoderLayer(nn.Module):
         if qkv is None or o is None or gate_up is None or down is None:
             return None
         q_norm, k_norm = attn.q_norm, attn.k_norm
-        mlp_out, stream = decoder_layer(
+        out: tuple[torch.Tensor, torch.Tensor] = decoder_layer(
             x,
             residual,
             self.input_layernorm.weight,
@@ -172,7 +170,7 @@ class LlamaDecoderLayer(nn.Module):
             down,
             None if q_norm is None else q_norm.weight,
             None if k_norm is None else k_norm.weight,
-            1e-6 if q_norm is None else q_norm.eps,
+            0.0 if q_norm is None else q_norm.eps,  # unused without the norms
             attn.num_heads,
             attn.num_kv_heads,
             attn.head_dim,
@@ -187,7 +185,7 @@ class LlamaDecoderLayer(nn.Module):
             [(c.token_start, c.num_tokens, c.start_pos, c.block_ids) for c in meta.prefills],
             attn.scale,
         )
-        return mlp_out, stream
+        return out
 
 
 class LlamaModel(nn.Module):

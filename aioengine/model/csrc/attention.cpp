@@ -176,8 +176,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, con
   check_against_cache("paged_decode_attention", q, kv_cache, out);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode_attention: block_tables and context_lens must be int64");
-  TORCH_CHECK(q.stride(2) == 1 && (q.size(1) == 1 || q.stride(1) == q.size(2)) && kv_cache.is_contiguous() && out.is_contiguous() &&
-                  out.sizes() == q.sizes(),
+  const bool heads_contiguous = q.stride(2) == 1 && (q.size(1) == 1 || q.stride(1) == q.size(2));
+  TORCH_CHECK(heads_contiguous && kv_cache.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
               "paged_decode_attention: each row of q must hold its heads contiguously (rows at any stride), "
               "kv_cache and out must be contiguous, out shaped like q");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
