@@ -47,14 +47,15 @@ class _Counting:
 
 
 @pytest.mark.parametrize(
-    ("out_features", "in_features"), [(960, 576), (576, 1536), (100, 37), (7, 5), (130, 24), (64, 64)]
+    ("out_features", "in_features"), [(960, 576), (576, 1536), (100, 37), (7, 5), (130, 24), (64, 64), (70, 4500)]
 )
 @pytest.mark.parametrize("rows", [1, 7, 12, 13, 64, 1100])
 def test_the_row_block_gemm_equals_f_linear(
     gemm_kernel: ModuleType, threads: int, out_features: int, in_features: int, rows: int
 ) -> None:
     """Rows off the 6-row tile and over the 1024-row chunk, columns and rows off the 64-row block (oneDNN
-    pads both), with and without a bias, from a view whose rows are further apart than its columns."""
+    pads both), a K the kernel sums in three chunks (4500: 1500 each), with and without a bias,
+    from a view whose rows are further apart than its columns."""
     counting = _Counting(gemm_kernel)
     layer = packed_linear(counting, out_features, in_features)  # type: ignore[arg-type]
     assert layer._row_blocks is not None
