@@ -131,3 +131,64 @@ def test_the_row_block_gemm_refuses_what_does_not_fit(gemm_kernel: ModuleType, p
         x = torch.randn(4, 0)
     with pytest.raises(RuntimeError, match="linear_row_blocks"):
         gemm_kernel.linear_row_blocks(x, address, floats, 96, stride, bias)
+
+
+def _argmax_case(layer: Any, rows: int, case: str, gen: torch.Generator) -> torch.Tensor:
+    """Inputs for ``case``. "ties": weight rows 3, 5, 70 and 71 equal and far the largest for positive x (a tie
+    inside a block, across blocks, across the threads' shares); "nan": a row of NaN outputs only and one of
+    NaN, +inf and -inf; "-inf": outputs of -inf and +inf only."""
+    x = torch.randn(rows, layer.in_features, generator=gen)
+    if case == "ties":
+        top = 10 * torch.randn(layer.in_features, generator=gen).abs()
+        with torch.no_grad():
+            for r in (3, 5, 70, 71):
+                layer.weight[r] = top
+        layer.mark_packed_stale()
+        x = x.abs()
+    elif case == "nan":
+        x[0, 0] = float("nan")
+        x[1 % rows, 1] = float("inf")
+    elif case == "-inf":
+        x[:] = 0.0
+        x[:, 0] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "nan", "-inf"])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1000, 96), (130, 24), (7, 5), (70, 4500)])
+@pytest.mark.parametrize("rows", [1, 13, 64, 1100])
+def test_the_fused_argmax_is_argmax_rows_of_the_gemm(
+    gemm_kernel: ModuleType, threads: int, out_features: int, in_features: int, rows: int, case: str
+) -> None:
+    """``linear_row_blocks_argmax`` (greedy over an lm_head, the logits never written) answers what
+    ``argmax_rows`` answers on ``linear_row_blocks``' output, first maximum and NaN rule included, at row
+    counts over the 6-row tile, split in halves over 2 threads and over the 1024-row chunk."""
+    if case == "ties" and out_features < 72:
+        pytest.skip("the tie needs 72 output rows")
+    layer = packed_linear(gemm_kernel, out_features, in_features)
+    gen = torch.Generator().manual_seed(rows + out_features)
+    x = _argmax_case(layer, rows, case, gen)
+    copy = layer.row_block_weight()
+    assert copy is not None
+    address, floats, _, stride = copy
+    answers = []
+    for bias in (None, torch.randn(out_features, generator=gen)):
+        logits = gemm_kernel.linear_row_blocks(x, address, floats, out_features, stride, bias)
+        fused = gemm_kernel.linear_row_blocks_argmax(x, address, floats, out_features, stride, bias)
+        assert fused.dtype == torch.int64 and fused.shape == (rows,)
+        assert torch.equal(fused, gemm_kernel.argmax_rows(logits))
+        answers.append(fused)
+    if case == "ties":
+        assert answers[0].eq(3).all()  # rows 3, 5, 70 and 71 tie without a bias: the first wins
+    if case == "nan":
+        assert answers[0][0] == 0  # nothing but NaN: 0, as argmax_rows
+
+
+def test_the_fused_argmax_refuses_what_does_not_fit(gemm_kernel: ModuleType) -> None:
+    layer = packed_linear(gemm_kernel, 96, 64)
+    assert layer._row_blocks is not None
+    address, floats, stride = layer._row_blocks
+    with pytest.raises(RuntimeError, match="linear_row_blocks_argmax: the weight copy"):
+        gemm_kernel.linear_row_blocks_argmax(torch.randn(4, 64), address, 2 * stride - 1, 96, stride, None)
+    with pytest.raises(RuntimeError, match="linear_row_blocks_argmax: x must be"):
+        gemm_kernel.linear_row_blocks_argmax(torch.randn(4, 64).double(), address, floats, 96, stride, None)

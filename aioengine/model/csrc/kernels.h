@@ -34,6 +34,8 @@ bool row_blocks_equal(const at::Tensor& src, int64_t dst_address, int64_t dst_fl
 #if defined(__AVX512F__)
 at::Tensor linear_row_blocks(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
                              int64_t block_stride, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_row_blocks_argmax(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
+                                    int64_t block_stride, const c10::optional<at::Tensor>& bias);
 #endif
 
 // decoder_layer.cpp

@@ -5,7 +5,8 @@
 // - rms_norm, rotary_inplace, silu_and_mul: the elementwise parts of a Llama layer, one pass each
 //   instead of 5-12 torch ops (on CPU every op costs microseconds of dispatch);
 // - pack_rows: a swapped-in linear weight written into its oneDNN-reordered copy in place;
-// - linear_row_blocks: x @ W.T (+ bias) read straight from that copy, for the few rows of a decode step
+// - linear_row_blocks: x @ W.T (+ bias) read straight from that copy, for the few rows of a decode step;
+//   linear_row_blocks_argmax: the first maximum of each of its rows, for greedy steps over an lm_head
 //   (AVX-512 builds only), and row_blocks_equal, which checks that a copy is laid out as it assumes;
 // - paged prefill attention: one prompt chunk, causal, over its context in the paged cache (AVX-512 builds);
 // - decoder_layer: a whole Llama-family layer from the kernels above in one call (AVX-512 builds).
@@ -44,6 +45,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_row_blocks", &linear_row_blocks, "x @ W.T (+ bias) from W's oneDNN-reordered copy in 64-row blocks "
         "(CPU, float32, AVX-512)", py::arg("x"), py::arg("w_address"), py::arg("w_floats"), py::arg("out_features"),
         py::arg("block_stride"), py::arg("bias") = py::none(), release_gil());
+  m.def("linear_row_blocks_argmax", &linear_row_blocks_argmax, "The first maximum of each row of x @ W.T (+ bias), "
+        "the output never written: greedy over an lm_head (CPU, float32, AVX-512)", py::arg("x"), py::arg("w_address"),
+        py::arg("w_floats"), py::arg("out_features"), py::arg("block_stride"), py::arg("bias") = py::none(),
+        release_gil());
   m.def("paged_prefill_attention", &paged_prefill_attention, "Causal attention of one prefill chunk over its paged "
         "context, in place into out (CPU, float32, AVX-512)", py::arg("q"), py::arg("kv_cache"), py::arg("block_ids"),
         py::arg("start"), py::arg("scale"), py::arg("out"), release_gil());

@@ -204,6 +204,10 @@ constexpr int kTileRows = 6;
 // chunks that GEMM is 1.5x faster here (141 -> 218 GFLOP/s at 512 rows, 86 -> 128 at 32). Shorter K
 // (the real model's at most 1536) stays one pass: chunks of 768 there gained nothing measurable.
 constexpr int64_t kGemmChunkK = 2048;
+// Rows in chunks that stay in L3 beside the weights; within a chunk the tasks are row blocks, and where the
+// blocks do not share out evenly over the threads each block's rows are split in two (else 9 blocks on 2
+// threads would leave one idle a ninth of the time).
+constexpr int64_t kChunkRows = 1024;
 
 template <int... R>
 constexpr std::array<GemmTile, sizeof...(R)> gemm_tiles(std::integer_sequence<int, R...>) {
@@ -211,40 +215,42 @@ constexpr std::array<GemmTile, sizeof...(R)> gemm_tiles(std::integer_sequence<in
 }
 constexpr auto kGemmTiles = gemm_tiles(std::make_integer_sequence<int, kTileRows>{});
 
-// x [M, K] @ W.T (+ bias) with W [N, K] read from its oneDNN-reordered copy in the row-block layout of
-// pack_rows with a block of 64 (what oneDNN picks here for batches of 64 rows or more; the caller checks
-// with row_blocks_equal). For few rows oneDNN's GEMM reaches 50-75% of this CPU's peak; this one keeps
-// a 6 x 64 tile of the output in registers over a chunk of K (all of it up to 2048), reads each row block of
-// W once from memory and then from L2 for the other row tiles, and splits the rows into tiles of near-equal
-// size.
+// The checks and the work split of the row-block GEMM: x [M, K] @ W.T (+ bias) with W [N, K] read from its
+// oneDNN-reordered copy in the row-block layout of pack_rows with a block of 64 (what oneDNN picks here for
+// batches of 64 rows or more; the caller checks with row_blocks_equal). For few rows oneDNN's GEMM reaches
+// 50-75% of this CPU's peak; this one keeps a 6 x 64 tile of the output in registers over a chunk of K (all
+// of it up to 2048), reads each row block of W once from memory and then from L2 for the other row tiles,
+// and splits the rows into tiles of near-equal size.
 // Each tile also prefetches a share of the thread's next block into L2, so that block's first tile does
 // not wait on memory: at 64 rows 9-13% faster here, none lost at 512; at 16-32 rows (a decode step late in
 // a batch) 5-30% faster, weights cold as in a forward; none lost at 4.
-at::Tensor linear_row_blocks(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
-                             int64_t block_stride, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.device().is_cpu(),
-              "linear_row_blocks: x must be a [rows, K] float32 CPU tensor with unit column stride");
+// A task is rows [r_begin, r_end) of one row block: `dest(blk, r_begin, r_end)` says where its output goes
+// (row r_begin, column c0 of the block, and the stride between rows), `done(blk, r_begin, r_end, dst, ldo)`
+// is called once the task's sums are complete.
+// The bias's floats, or null; raises, naming the kernel, where x, the copy or the bias does not fit.
+const float* checked_row_blocks(const char* name, const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
+                                int64_t block_stride, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.device().is_cpu(), name,
+              ": x must be a [rows, K] float32 CPU tensor with unit column stride");
+  const int64_t K = x.size(1), blocks = (N + kGemmBlock - 1) / kGemmBlock;
+  TORCH_CHECK(K > 0, name, ": x has no columns");
+  TORCH_CHECK(w_address != 0 && N > 0 && block_stride >= K * kGemmBlock && blocks * block_stride <= w_floats, name,
+              ": the weight copy (", w_floats, " floats) does not hold ", N, " rows of ", K, " columns in blocks of ",
+              kGemmBlock, " at stride ", block_stride);
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, name,
+              ": bias must be a contiguous float32 tensor of ", N, " values");
+  return bias->data_ptr<float>();
+}
+
+template <typename Dest, typename Done>
+void row_block_gemm(const at::Tensor& x, int64_t w_address, int64_t N, int64_t block_stride, const float* b, Dest dest,
+                    Done done) {
   const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
   const int64_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
-  TORCH_CHECK(K > 0, "linear_row_blocks: x has no columns");
-  TORCH_CHECK(w_address != 0 && N > 0 && block_stride >= K * kGemmBlock && blocks * block_stride <= w_floats,
-              "linear_row_blocks: the weight copy (", w_floats, " floats) does not hold ", N, " rows of ", K,
-              " columns in blocks of ", kGemmBlock, " at stride ", block_stride);
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "linear_row_blocks: bias must be a contiguous float32 tensor of ", N, " values");
-    b = bias->data_ptr<float>();
-  }
-  at::Tensor out = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (M == 0) return out;
+  if (M == 0) return;
   const float* xs = x.data_ptr<float>();
   const float* w = reinterpret_cast<const float*>(w_address);
-  float* o = out.data_ptr<float>();
-  // Rows in chunks that stay in L3 beside the weights; within a chunk the tasks are row blocks, and where
-  // the blocks do not share out evenly over the threads each block's rows are split in two (else 9 blocks
-  // on 2 threads would leave one idle a ninth of the time).
-  constexpr int64_t kChunkRows = 1024;
   const int64_t threads = at::get_num_threads();
   const int64_t halves = (blocks % threads != 0 && blocks < 8 * threads && M >= 2 * kTileRows) ? 2 : 1;
   for (int64_t m_begin = 0; m_begin < M; m_begin += kChunkRows) {
@@ -261,6 +267,7 @@ at::Tensor linear_row_blocks(const at::Tensor& x, int64_t w_address, int64_t w_f
         const bool next = half == halves - 1 && (blk + 1) * halves < end;
         const float* ahead = next ? w + (blk + 1) * block_stride : nullptr;
         const int64_t block_lines = next ? K * kGemmBlock / 16 : 0;
+        const auto [dst, ldo] = dest(blk, r_begin, r_end);
         const int64_t chunks = (K + kGemmChunkK - 1) / kGemmChunkK;  // near-equal K chunks, in order
         const int64_t steps = chunks * tiles;
         for (int64_t ch = 0; ch < chunks; ++ch) {
@@ -272,13 +279,83 @@ at::Tensor linear_row_blocks(const at::Tensor& x, int64_t w_address, int64_t w_f
             const int64_t from = block_lines * step / steps, to = block_lines * (step + 1) / steps;
             const bool last = ch == chunks - 1;
             kGemmTiles[mr - 1](xs + r * ldx + k0, ldx, w + blk * block_stride + k0 * kGemmBlock, k1 - k0,
-                               o + r * N + c0, N, ncols, ch > 0, last && b != nullptr ? b + c0 : nullptr,
+                               dst + (r - r_begin) * ldo, ldo, ncols, ch > 0, last && b != nullptr ? b + c0 : nullptr,
                                next ? ahead + 16 * from : nullptr, to - from);
             r += mr;
           }
         }
+        done(blk, r_begin, r_end, dst, ldo);
       }
     });
+  }
+}
+
+at::Tensor linear_row_blocks(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
+                             int64_t block_stride, const c10::optional<at::Tensor>& bias) {
+  const float* b = checked_row_blocks("linear_row_blocks", x, w_address, w_floats, N, block_stride, bias);
+  at::Tensor out = at::empty({x.size(0), N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  float* o = out.data_ptr<float>();
+  row_block_gemm(
+      x, w_address, N, block_stride, b,
+      [&](int64_t blk, int64_t r_begin, int64_t) { return std::pair<float*, int64_t>(o + r_begin * N + blk * kGemmBlock, N); },
+      [](int64_t, int64_t, int64_t, const float*, int64_t) {});
+  return out;
+}
+
+// Whether value v at column c beats the row's best so far (best, at): greedy's rule, the first maximum, NaN
+// never; so the best over any split of a row's columns, merged in any order, is the whole row's.
+inline bool beats(float v, int64_t c, float best, int64_t at) {
+  return v > best || (v == best && (at < 0 || c < at));
+}
+
+// The first maximum of every row of x [M, K] @ W.T (+ bias), as int64 [M], without writing the [M, N]
+// output: greedy sampling over an lm_head. Each task's sums are those linear_row_blocks writes (the same
+// tiles, in a buffer of the thread's), and each row's best column among them is merged into the thread's
+// best per row; the threads' bests are merged at the end. The answer is argmax_rows' on
+// linear_row_blocks' output: NaN ignored, a row with no number above -inf or none at all answers its first
+// -inf or 0.
+at::Tensor linear_row_blocks_argmax(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
+                                    int64_t block_stride, const c10::optional<at::Tensor>& bias) {
+  const float* bias_floats = checked_row_blocks("linear_row_blocks_argmax", x, w_address, w_floats, N, block_stride, bias);
+  const int64_t M = x.size(0), threads = at::get_num_threads();
+  const int64_t task_rows = std::min<int64_t>(M, kChunkRows);  // the most rows a task has
+  std::vector<float> buffers(static_cast<size_t>(threads * task_rows * kGemmBlock));
+  std::vector<float> best(static_cast<size_t>(threads * M), -std::numeric_limits<float>::infinity());
+  std::vector<int64_t> at(static_cast<size_t>(threads * M), -1);
+  row_block_gemm(
+      x, w_address, N, block_stride, bias_floats,
+      [&](int64_t, int64_t, int64_t) {
+        return std::pair<float*, int64_t>(buffers.data() + at::get_thread_num() * task_rows * kGemmBlock, kGemmBlock);
+      },
+      [&](int64_t blk, int64_t r_begin, int64_t r_end, const float* dst, int64_t ldo) {
+        const int64_t c0 = blk * kGemmBlock, ncols = std::min(kGemmBlock, N - c0), thread = at::get_thread_num();
+        for (int64_t r = r_begin; r < r_end; ++r) {
+          const float* row = dst + (r - r_begin) * ldo;
+          float& b = best[thread * M + r];
+          int64_t& a = at[thread * M + r];
+          // Most blocks hold nothing at or above the row's best: one vector compare says so.
+          __mmask16 any = 0;
+          const __m512 bv = _mm512_set1_ps(b);
+          for (int64_t v = 0; v * 16 < ncols; ++v) {
+            const int64_t c = ncols - 16 * v;
+            const __mmask16 mask = c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << c) - 1);
+            any |= _mm512_mask_cmp_ps_mask(mask, _mm512_maskz_loadu_ps(mask, row + 16 * v), bv, _CMP_GE_OQ);
+          }
+          if (any == 0 && a >= 0) continue;
+          for (int64_t c = 0; c < ncols; ++c) {
+            if (beats(row[c], c0 + c, b, a)) b = row[c], a = c0 + c;
+          }
+        }
+      });
+  at::Tensor out = at::zeros({M}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) {
+    float b = -std::numeric_limits<float>::infinity();
+    int64_t a = -1;
+    for (int64_t t = 0; t < threads; ++t) {
+      if (at[t * M + r] >= 0 && beats(best[t * M + r], at[t * M + r], b, a)) b = best[t * M + r], a = at[t * M + r];
+    }
+    op[r] = a >= 0 ? a : 0;
   }
   return out;
 }
