@@ -237,6 +237,50 @@ async def test_concurrent_greedy_tokens_equal_hf_with_the_speed_paths_on_or_off(
         assert await greedy(engine) == hf_tokens
 
 
+def count_lm_head_paths(worker: Any) -> None:
+    """Counts, on the worker, the steps whose lm_head ran as logits and those that picked greedy tokens
+    without them (``greedy_tokens`` answering)."""
+    model = worker.model_runner.model
+    counts = worker.lm_head_counts = {"logits": 0, "greedy": 0}
+
+    def counting(original: Callable[..., Any], key: str) -> Callable[..., Any]:
+        def counted(*args: Any) -> Any:
+            out = original(*args)
+            counts[key] += out is not None
+            return out
+
+        return counted
+
+    model.compute_logits = counting(model.compute_logits, "logits")
+    model.greedy_tokens = counting(model.greedy_tokens, "greedy")
+
+
+def lm_head_counts(worker: Any) -> dict[str, int]:
+    return dict(worker.lm_head_counts)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["decode runner", "prepare_inputs"])
+async def test_greedy_steps_pick_their_tokens_without_computing_the_logits(
+    kernel: ModuleType, make_engine: Callable[..., AsyncEngine], llama_ckpt: Path, hf_tokens: list[list[int]],
+    eager: bool,
+) -> None:  # fmt: skip
+    """One rank, the row-block GEMM: a step whose rows are all plain greedy takes the lm_head's fused argmax,
+    and the [rows, vocab] logits are never computed; the tokens stay HF's. A request that asks for logprobs
+    brings the logits back, with the same tokens."""
+    if not avx512(kernel):
+        pytest.skip("the fused argmax is part of the row-block GEMM (AVX-512 builds)")
+    async with make_engine(llama_ckpt, compile={"enforce_eager": eager}) as engine:
+        await engine.collective_rpc(count_lm_head_paths)
+        assert await greedy(engine) == hf_tokens
+        counts = await engine.collective_rpc(lm_head_counts, unique_reply_rank=0)
+        assert counts["logits"] == 0 and counts["greedy"] >= NEW_TOKENS
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+        out = await final(engine, PROMPTS[0], params)
+        assert list(out.token_ids) == hf_tokens[0] and out.logprobs is not None and len(out.logprobs) == NEW_TOKENS
+        after = await engine.collective_rpc(lm_head_counts, unique_reply_rank=0)
+        assert after["logits"] >= NEW_TOKENS and after["greedy"] == counts["greedy"]
+
+
 async def test_engine_without_a_kernel_build_serves_on_the_torch_path(
     monkeypatch: pytest.MonkeyPatch, make_engine: Callable[..., AsyncEngine], llama_ckpt: Path,
     hf_tokens: list[list[int]],

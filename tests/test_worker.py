@@ -202,13 +202,13 @@ def test_padded_rows_write_only_the_null_block(llama_ckpt: Path) -> None:
 def test_eager_decode_without_padding_runs_the_batch_at_its_own_size_with_the_same_logits(llama_ckpt: Path) -> None:
     runner, _ = _decode_runner(llama_ckpt, [8])
     rows: list[int] = []
-    forward = runner.model.forward
+    final_hidden = runner.model.final_hidden
 
     def counting(input_ids: torch.Tensor, *args: object) -> torch.Tensor:
         rows.append(input_ids.shape[0])
-        return forward(input_ids, *args)
+        return final_hidden(input_ids, *args)  # type: ignore[arg-type]
 
-    runner.model.forward = counting  # type: ignore[method-assign]
+    runner.model.final_hidden = counting  # type: ignore[method-assign]
     batch = torch.tensor([11, 12, 13]), torch.tensor([17, 2, 0]), torch.tensor([[3, 4], [7, 0], [9, 0]])
     padded = runner.run(*batch)
     runner.pad = False

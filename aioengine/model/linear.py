@@ -83,6 +83,16 @@ class Linear(nn.Linear):
             return self.kernels.linear_row_blocks(x, address, floats, self.out_features, stride, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
 
+    def first_max(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The index of the first maximum of each row of ``self(x)`` ([rows] int64), computed without writing
+        that output (greedy over an lm_head: a step's logits are [rows, vocab]); None where ``project`` would
+        not run the row-block GEMM. Equal to ``argmax_rows(self(x))``: NaN ignored."""
+        if x.dim() != 2 or x.stride(1) != 1 or self.row_block_weight() is None:
+            return None
+        assert self._row_blocks is not None and self.kernels is not None
+        address, floats, stride = self._row_blocks
+        return self.kernels.linear_row_blocks_argmax(x, address, floats, self.out_features, stride, self.bias)
+
     def row_block_weight(self) -> tuple[int, int, int, int] | None:
         """``(address, floats, out_features, block_stride)``: the packed copy as ``linear_row_blocks`` reads it,
         for a caller that runs the GEMM itself (``kernels.decoder_layer``); rebuilt first where stale, as

@@ -271,13 +271,32 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Runs every token of the step; returns logits only for ``logits_indices`` ([S, V], float32)."""
+        return self.compute_logits(self.final_hidden(input_ids, positions, kv_caches, meta, logits_indices))
+
+    def final_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` up to the lm_head: the final norm's output for the rows of ``logits_indices`` ([S, H])."""
         x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, kv_cache, meta)
         assert residual is not None
         # the last add and the norm are per token: only the rows that sample
-        x = self.model.norm.add_and_norm(x[logits_indices], residual[logits_indices])
-        return self.tp.all_gather(self.lm_head(x).float())
+        return self.model.norm.add_and_norm(x[logits_indices], residual[logits_indices])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head over ``final_hidden``'s rows: [S, V] float32 (gathered from every rank)."""
+        return self.tp.all_gather(self.lm_head(hidden).float())
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The first maximum of each row of ``compute_logits(hidden)`` ([S] int64) without computing those logits
+        (``Linear.first_max``), where one rank holds the whole lm_head; else None."""
+        return self.lm_head.first_max(hidden) if self.tp.size == 1 else None
 
     # ---- weight names -------------------------------------------------------------------------------
     _FUSED: ClassVar[dict[str, tuple[str, int]]] = {

@@ -71,6 +71,13 @@ class SamplingMetadata:
     return_processed: bool = False
     """Whether the sampler also returns the logits it picked from."""
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether every row's token is the argmax of its raw logits: all greedy, no logit control, no
+        processed logits returned (a model can then pick them without the logits: ``greedy_tokens``)."""
+        controls = (self.disallowed, self.banned, self.logit_bias, self.penalties)
+        return self.all_greedy and not self.return_processed and all(c is None for c in controls)
+
     @classmethod
     def build(
         cls,

@@ -91,7 +91,10 @@ class PaddedDecodeRunner:
         )
 
     def _forward(self, size: int, width: int, groups: list[tuple[torch.Tensor, int]] | None = None) -> torch.Tensor:
-        return self.model(
+        return self.model.compute_logits(self._hidden(size, width, groups))
+
+    def _hidden(self, size: int, width: int, groups: list[tuple[torch.Tensor, int]] | None = None) -> torch.Tensor:
+        return self.model.final_hidden(
             self.input_ids[:size],
             self.positions[:size],
             self.kv_caches,
@@ -130,16 +133,36 @@ class PaddedDecodeRunner:
 
         ``groups`` (eager only; ignored on graph replay) splits the real rows by context length.
         """
+        size = self._filled(input_ids, positions, block_tables)
         b = input_ids.shape[0]
-        size = self.bucket(b)
-        assert size is not None, f"decode batch {b} exceeds the largest bucket {self.max_batch_size}"
-        size = size if self.pad else b
-        self._fill(input_ids, positions, block_tables, size)
         if size in self.graphs:
             self.graphs[size].replay()
             return self.graph_outputs[size][:b]
         # Eager (CPU): only as wide as this batch's longest block table.
         return self._forward(size, block_tables.shape[1], groups)[:b]
+
+    @torch.inference_mode()
+    def run_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        groups: list[tuple[torch.Tensor, int]] | None = None,
+    ) -> torch.Tensor:
+        """``run`` without the lm_head, eager only: the final norm's rows [B, H] (``model.final_hidden``)."""
+        if self.use_graphs:
+            raise RuntimeError("run_hidden is eager only: with CUDA graphs the captured forward ends in the logits")
+        size = self._filled(input_ids, positions, block_tables)
+        return self._hidden(size, block_tables.shape[1], groups)[: input_ids.shape[0]]
+
+    def _filled(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor) -> int:
+        """The batch copied into the static buffers; returns the size it runs at."""
+        b = input_ids.shape[0]
+        size = self.bucket(b)
+        assert size is not None, f"decode batch {b} exceeds the largest bucket {self.max_batch_size}"
+        size = size if self.pad else b
+        self._fill(input_ids, positions, block_tables, size)
+        return size
 
     @torch.inference_mode()
     def capture(self) -> float:

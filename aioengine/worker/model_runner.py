@@ -77,9 +77,7 @@ class ModelRunner:
         self.decode_runner: PaddedDecodeRunner | None = None
         self.kv_cache_config: KVCacheConfig | None = None
         self.info: ModelInfo | None = None
-        self._pending: tuple[int, torch.Tensor, list[ScheduledRequest], float, dict[str, LogprobRows] | None] | None = (
-            None
-        )
+        self._pending: _Pending | None = None
         self._last_sampled: dict[str, int] = {}
         """Tokens the last sampling step chose, by request: what ``PLACEHOLDER_TOKEN_ID`` stands for."""
         self.decode_kernel: Callable[..., None] | None = None
@@ -343,39 +341,56 @@ class ModelRunner:
             return ModelRunnerOutput(sched.step_id, [], [])
         sched = self._fill_placeholders(sched)
         reqs = sched.requests
-        prompt_logprobs = None
+        # One rank: the lm_head waits for sample_tokens, which can pick greedy tokens without the logits.
+        # Under tensor parallelism every rank computes them now (gathered across the ranks).
+        lazy = self.tp.size == 1
+        pending = _Pending(sched.step_id, [], start)
         if self._fits_decode_runner(reqs):
-            logits, sample_reqs = self._run_padded_decode(reqs)
+            assert self.decode_runner is not None
+            lazy = lazy and not self.decode_runner.use_graphs  # a captured forward ends in the logits
+            pending.reqs, rows = self._run_padded_decode(reqs, lazy)
         else:
             inputs = self.prepare_inputs(sched)
-            logits = self.model(
+            pending.reqs, lazy = inputs.sample_reqs, lazy and not inputs.prompt_reqs
+            rows = (self.model.final_hidden if lazy else self.model)(
                 inputs.input_ids, inputs.positions, self.cache_engine.device_cache, inputs.meta, inputs.logits_indices
             )
-            sample_reqs = inputs.sample_reqs
             if inputs.prompt_reqs:
                 if self.tp.rank == 0:  # rank 0 answers for the group
-                    prompt_logprobs = _known_token_logprobs(logits[len(sample_reqs) :], inputs.prompt_reqs)
-                logits = logits[: len(sample_reqs)]
-        if not sample_reqs:
+                    pending.prompt_logprobs = _known_token_logprobs(rows[len(pending.reqs) :], inputs.prompt_reqs)
+                rows = rows[: len(pending.reqs)]
+        if not pending.reqs:
             return ModelRunnerOutput(
-                sched.step_id, [], [], time.perf_counter() - start, prompt_logprobs=prompt_logprobs
+                sched.step_id, [], [], time.perf_counter() - start, prompt_logprobs=pending.prompt_logprobs
             )
-        self._pending = (sched.step_id, logits, sample_reqs, start, prompt_logprobs)
+        if lazy:
+            pending.hidden = rows
+        else:
+            pending.logits = rows
+        self._pending = pending
         return None
 
     @property
     def pending_logits(self) -> torch.Tensor | None:
         """Logits [rows, vocab] that the next ``sample_tokens`` samples (inference tensors: modify them
-        inside ``torch.inference_mode()``); None when nothing is pending."""
-        return self._pending[1] if self._pending is not None else None
+        inside ``torch.inference_mode()``); None when nothing is pending. Computed here where the step left
+        them for later: sampling then picks from these, changed or not."""
+        return self._logits(self._pending) if self._pending is not None else None
+
+    @torch.inference_mode()
+    def _logits(self, pending: _Pending) -> torch.Tensor:
+        if pending.logits is None:
+            assert pending.hidden is not None and self.model is not None
+            pending.logits, pending.hidden = self.model.compute_logits(pending.hidden), None
+        return pending.logits
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
         """Samples the rows the last ``execute_model`` left; one token per sampling request."""
         if self._pending is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model() that left rows to sample")
-        step_id, logits, reqs, start, prompt_logprobs = self._pending
-        self._pending = None
+        pending, self._pending = self._pending, None
+        step_id, reqs, start, prompt_logprobs = pending.step_id, pending.reqs, pending.start, pending.prompt_logprobs
         if self.tp.rank != 0:
             # Rank 0 samples for the group (ranks can never diverge, whatever the sampling); the others
             # take its tokens, which the next step's placeholders stand for.
@@ -384,27 +399,36 @@ class ModelRunner:
             return ModelRunnerOutput(step_id, [r.req_id for r in reqs], chosen, time.perf_counter() - start)
         params = [r.sampling for r in reqs]
         assert all(p is not None for p in params)
+        assert self.model is not None
         meta = SamplingMetadata.build(
             params,  # type: ignore[arg-type]
             [r.output_index for r in reqs],
             self.device,
-            vocab_size=logits.shape[-1],
+            vocab_size=self.model.lm_head.out_features if pending.logits is None else pending.logits.shape[-1],
             sample_indices=[r.sample_index for r in reqs],
             histories=[(r.history + r.token_ids, r.num_prompt_tokens) if r.history is not None else None for r in reqs],
             banned=[self._banned_before_min_tokens(r) for r in reqs],
             processed=any(p is not None and p.logprobs is not None and p.logprobs_mode == "processed" for p in params),
         )
-        sampled = self.sampler(logits, meta)
+        logprobs = None
+        greedy = None
+        if pending.hidden is not None and meta.argmax_only and not _asks_logprobs(reqs):
+            greedy = self.model.greedy_tokens(pending.hidden)  # the logits never written: [rows, vocab] spared
+        if greedy is None:
+            logits = self._logits(pending)
+            sampled = self.sampler(logits, meta)
+            greedy = sampled.token_ids
+            logprobs = _sampled_logprobs(logits, sampled.processed_logits, sampled.token_ids, reqs)
         if self.tp.size > 1:
-            self.tp.broadcast(sampled.token_ids.to(self.tp.device, torch.int64))
-        tokens = sampled.token_ids.tolist()
+            self.tp.broadcast(greedy.to(self.tp.device, torch.int64))
+        tokens = greedy.tolist()
         self._last_sampled = {r.req_id: token for r, token in zip(reqs, tokens, strict=True)}
         return ModelRunnerOutput(
             step_id,
             [r.req_id for r in reqs],
             tokens,
             time.perf_counter() - start,
-            logprobs=_sampled_logprobs(logits, sampled.processed_logits, sampled.token_ids, reqs),
+            logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
 
@@ -433,7 +457,11 @@ class ModelRunner:
             and all(len(r.token_ids) == 1 and r.prompt_logprobs is None for r in reqs)
         )
 
-    def _run_padded_decode(self, reqs: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+    def _run_padded_decode(
+        self, reqs: list[ScheduledRequest], lazy: bool
+    ) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """The sampling requests and their rows: the final norm's output where ``lazy`` (and the batch runs
+        eager), else logits."""
         assert self.decode_runner is not None
         width = max(len(r.block_ids) for r in reqs)
         dev = self.device
@@ -441,11 +469,12 @@ class ModelRunner:
         ids = torch.tensor([r.token_ids[0] for r in reqs], device=dev)
         positions = torch.tensor([r.start_pos for r in reqs], device=dev)
         groups = None if self.decode_kernel is not None else split_decode_rows([len(r.block_ids) for r in reqs])
-        logits = self.decode_runner.run(ids, positions, tables, _on_device(groups, dev))
+        run = self.decode_runner.run_hidden if lazy else self.decode_runner.run
+        out = run(ids, positions, tables, _on_device(groups, dev))
         rows = [i for i, r in enumerate(reqs) if r.sample]
         if len(rows) < len(reqs):  # a one-token prefill chunk that does not end its prompt
-            logits = logits[rows]
-        return logits, [reqs[i] for i in rows]
+            out = out[rows]
+        return [reqs[i] for i in rows], out
 
 
 def _on_device(
@@ -473,6 +502,23 @@ def _known_token_logprobs(logits: torch.Tensor, reqs: list[ScheduledRequest]) ->
         out[req.req_id] = _rows(spec.first_pos, ids[row:end], values[row:end], ranks[row:end], spec.k)
         row = end
     return out
+
+
+@dataclass(slots=True)
+class _Pending:
+    """What ``execute_model`` left for ``sample_tokens``: the rows to sample as logits, or as the final norm's
+    output (``hidden``) where the lm_head can wait (``ModelRunner._logits`` computes them on demand)."""
+
+    step_id: int
+    reqs: list[ScheduledRequest]
+    start: float
+    prompt_logprobs: dict[str, LogprobRows] | None = None
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+
+def _asks_logprobs(reqs: list[ScheduledRequest]) -> bool:
+    return any(r.sampling is not None and r.sampling.logprobs is not None for r in reqs)
 
 
 def _sampled_logprobs(
