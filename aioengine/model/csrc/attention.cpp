@@ -208,6 +208,48 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, con
 constexpr int64_t kKeys = 16;  // keys scored at once: one vector of scores per query row
 constexpr int kRows = 8;       // query rows of one task
 
+// acc[r][d0 .. d0 + 16 * NV) = acc[r][...] * corr[r] + sum over t < keys of p[r][t] * V[t][...] for RH rows, V[t]
+// at vp + vslot[t]: RH x NV accumulators in registers over the keys (a compile-time NV: with a run-time one
+// the accumulators lived in memory and this loop ran at a seventh of the FMA rate).
+template <int RH, int NV>
+void add_values_nv(const float (*p)[kKeys], const float* corr, int64_t keys, const float* vp, const int64_t* vslot,
+                   int64_t d0, int64_t D, float* acc) {
+  __m512 a[RH][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < RH; ++r) {
+    const __m512 c = _mm512_set1_ps(corr[r]);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) a[r][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d0 + 16 * v), c);
+  }
+  for (int64_t t = 0; t < keys; ++t) {
+    const float* vt = vp + vslot[t] + d0;
+    __m512 vv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(vt + 16 * v);
+#pragma GCC unroll 4
+    for (int r = 0; r < RH; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r][t]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(w, vv[v], a[r][v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RH; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + r * D + d0 + 16 * v, a[r][v]);
+}
+
+template <int RH>
+void add_values(const float (*p)[kKeys], const float* corr, int64_t keys, const float* vp, const int64_t* vslot,
+                int64_t d0, int64_t D, int64_t nv, float* acc) {
+  switch (nv) {
+    case 4: return add_values_nv<RH, 4>(p, corr, keys, vp, vslot, d0, D, acc);
+    case 3: return add_values_nv<RH, 3>(p, corr, keys, vp, vslot, d0, D, acc);
+    case 2: return add_values_nv<RH, 2>(p, corr, keys, vp, vslot, d0, D, acc);
+    default: return add_values_nv<RH, 1>(p, corr, keys, vp, vslot, d0, D, acc);
+  }
+}
+
 // One tile of R query rows (at positions first_pos ..) of one head against every key they see: scores of 16
 // keys at once from the transposed keys ktg [D][Lp], an online softmax per row, and the value rows (value t at
 // vp + vslot[t]) accumulated in acc [R][D]; out gets row r at out + r * out_row.
@@ -252,41 +294,9 @@ void prefill_tile(const float* q, int64_t q_row, const float* ktg, int64_t Lp, c
     // acc[r] = acc[r] * corr[r] + sum over the chunk's keys t of p[r][t] * V[t], four rows and 64 columns at a time
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
       const int64_t nv = std::min<int64_t>(4, (D - d0) / 16);
-      auto values = [&](auto rows_const, int r0) {
-        constexpr int RH = decltype(rows_const)::value;
-        __m512 a[RH][4];
-#pragma GCC unroll 4
-        for (int r = 0; r < RH; ++r)
-          for (int v = 0; v < 4; ++v)
-            a[r][v] = v < nv ? _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + r) * D + d0 + 16 * v),
-                                             _mm512_set1_ps(corr[r0 + r]))
-                             : _mm512_setzero_ps();
-        for (int64_t t = 0; t < keys; ++t) {
-          const float* vt = vp + vslot[c0 + t] + d0;
-          if (nv == 4) {
-            const __m512 v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16), v2 = _mm512_loadu_ps(vt + 32),
-                         v3 = _mm512_loadu_ps(vt + 48);
-#pragma GCC unroll 4
-            for (int r = 0; r < RH; ++r) {
-              const __m512 w = _mm512_set1_ps(p[r0 + r][t]);
-              a[r][0] = _mm512_fmadd_ps(w, v0, a[r][0]);
-              a[r][1] = _mm512_fmadd_ps(w, v1, a[r][1]);
-              a[r][2] = _mm512_fmadd_ps(w, v2, a[r][2]);
-              a[r][3] = _mm512_fmadd_ps(w, v3, a[r][3]);
-            }
-          } else {
-            for (int v = 0; v < nv; ++v) {
-              const __m512 vv = _mm512_loadu_ps(vt + 16 * v);
-              for (int r = 0; r < RH; ++r) a[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(p[r0 + r][t]), vv, a[r][v]);
-            }
-          }
-        }
-        for (int r = 0; r < RH; ++r)
-          for (int v = 0; v < nv; ++v) _mm512_storeu_ps(acc + (r0 + r) * D + d0 + 16 * v, a[r][v]);
-      };
-      if constexpr (R >= 4) values(std::integral_constant<int, 4>{}, 0);
-      else values(std::integral_constant<int, R>{}, 0);
-      if constexpr (R > 4) values(std::integral_constant<int, R - 4>{}, 4);
+      if constexpr (R >= 4) add_values<4>(p, corr, keys, vp, vslot + c0, d0, D, nv, acc);
+      else add_values<R>(p, corr, keys, vp, vslot + c0, d0, D, nv, acc);
+      if constexpr (R > 4) add_values<R - 4>(p + 4, corr + 4, keys, vp, vslot + c0, d0, D, nv, acc + 4 * D);
     }
   }
   for (int r = 0; r < R; ++r) {
