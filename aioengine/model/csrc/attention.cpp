@@ -111,50 +111,52 @@ void paged_decode_attention_impl(const float* qp, int64_t q_row, const float* kp
   const int64_t heads_per_task = B >= 4 * at::get_num_threads() ? Hkv : 1;
   const int64_t tasks_per_row = Hkv / heads_per_task;
   const int64_t lines_per_token = (heads_per_task * D + 15) / 16;  // a task's keys of one token, in cache lines
-  at::parallel_for(0, B * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
-    const int64_t hq_count = heads_per_task * G;
-    std::vector<float> scores(hq_count * bs), running_max(hq_count), running_sum(hq_count), acc(hq_count * D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / tasks_per_row, h0 = (task % tasks_per_row) * heads_per_task, L = cl[b];
-      const int64_t* table = bt + b * W;
-      const float* qb = qp + b * q_row + h0 * G * D;  // the task's query heads, hq_count of them
-      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(running_sum.begin(), running_sum.end(), 0.f);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j * bs < L; ++j) {
-        const int64_t n = std::min(bs, L - j * bs);
-        const int64_t base = table[j] * bs * token_stride + h0 * D;
-        // The next block sits anywhere in the cache, where the hardware's prefetch cannot guess it: its keys
-        // and values are fetched into L2 a share per query head while this block computes.
-        const int64_t next_n = std::min(bs, L - (j + 1) * bs);
-        const int64_t next_base = next_n > 0 ? table[j + 1] * bs * token_stride + h0 * D : 0;
-        const int64_t next_lines = next_n > 0 ? next_n * lines_per_token : 0;
-        for (int64_t hq = 0; hq < hq_count; ++hq) {
-          for (int64_t i = next_lines * hq / hq_count, e = next_lines * (hq + 1) / hq_count; i < e; ++i) {
-            const int64_t offset = next_base + (i / lines_per_token) * token_stride + (i % lines_per_token) * 16;
-            __builtin_prefetch(kp + offset, 0, 2);
-            __builtin_prefetch(vp + offset, 0, 2);
-          }
-          const int64_t kv_offset = base + (hq / G) * D;
-          float* s = scores.data() + hq * bs;
-          block_scores<kD>(qb + hq * D, kp + kv_offset, token_stride, n, D, scale, s);
-          const float m = std::max(running_max[hq], *std::max_element(s, s + n));
-          float sum = 0.f;
-          for (int64_t t = 0; t < n; ++t) {
-            s[t] = exp_approx(s[t] - m);
-            sum += s[t];
-          }
-          const float correction = exp_approx(running_max[hq] - m);  // 0 on the first block
-          running_sum[hq] = running_sum[hq] * correction + sum;
-          running_max[hq] = m;
-          block_values<kD>(acc.data() + hq * D, correction, s, vp + kv_offset, token_stride, n, D);
-        }
-      }
-      float* ob = op + (b * H + h0 * G) * D;
+  const int64_t hq_count = heads_per_task * G, per_thread = hq_count * (bs + 2 + D);
+  std::vector<float> scratch(static_cast<size_t>(at::get_num_threads() * per_thread));
+  parallel_tasks(B * tasks_per_row, [&](int64_t task, int64_t) {
+    float* const scores = scratch.data() + at::get_thread_num() * per_thread;  // this thread's
+    float* const running_max = scores + hq_count * bs;
+    float* const running_sum = running_max + hq_count;
+    float* const acc = running_sum + hq_count;
+    const int64_t b = task / tasks_per_row, h0 = (task % tasks_per_row) * heads_per_task, L = cl[b];
+    const int64_t* table = bt + b * W;
+    const float* qb = qp + b * q_row + h0 * G * D;  // the task's query heads, hq_count of them
+    std::fill(running_max, running_max + hq_count, -std::numeric_limits<float>::infinity());
+    std::fill(running_sum, running_sum + hq_count, 0.f);
+    std::fill(acc, acc + hq_count * D, 0.f);
+    for (int64_t j = 0; j * bs < L; ++j) {
+      const int64_t n = std::min(bs, L - j * bs);
+      const int64_t base = table[j] * bs * token_stride + h0 * D;
+      // The next block sits anywhere in the cache, where the hardware's prefetch cannot guess it: its keys
+      // and values are fetched into L2 a share per query head while this block computes.
+      const int64_t next_n = std::min(bs, L - (j + 1) * bs);
+      const int64_t next_base = next_n > 0 ? table[j + 1] * bs * token_stride + h0 * D : 0;
+      const int64_t next_lines = next_n > 0 ? next_n * lines_per_token : 0;
       for (int64_t hq = 0; hq < hq_count; ++hq) {
-        const float inv = 1.f / running_sum[hq];
-        for (int64_t d = 0; d < D; ++d) ob[hq * D + d] = acc[hq * D + d] * inv;
+        for (int64_t i = next_lines * hq / hq_count, e = next_lines * (hq + 1) / hq_count; i < e; ++i) {
+          const int64_t offset = next_base + (i / lines_per_token) * token_stride + (i % lines_per_token) * 16;
+          __builtin_prefetch(kp + offset, 0, 2);
+          __builtin_prefetch(vp + offset, 0, 2);
+        }
+        const int64_t kv_offset = base + (hq / G) * D;
+        float* s = scores + hq * bs;
+        block_scores<kD>(qb + hq * D, kp + kv_offset, token_stride, n, D, scale, s);
+        const float m = std::max(running_max[hq], *std::max_element(s, s + n));
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) {
+          s[t] = exp_approx(s[t] - m);
+          sum += s[t];
+        }
+        const float correction = exp_approx(running_max[hq] - m);  // 0 on the first block
+        running_sum[hq] = running_sum[hq] * correction + sum;
+        running_max[hq] = m;
+        block_values<kD>(acc + hq * D, correction, s, vp + kv_offset, token_stride, n, D);
       }
+    }
+    float* ob = op + (b * H + h0 * G) * D;
+    for (int64_t hq = 0; hq < hq_count; ++hq) {
+      const float inv = 1.f / running_sum[hq];
+      for (int64_t d = 0; d < D; ++d) ob[hq * D + d] = acc[hq * D + d] * inv;
     }
   });
 }
@@ -332,14 +334,13 @@ void prefill_impl(const float* q, int64_t q_row, int64_t q_head, const float* kp
     }
   });
   const int64_t tiles = (n + kRows - 1) / kRows;
-  at::parallel_for(0, H * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(kRows * D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / tiles, tile = task % tiles, g = h / G;
-      const int64_t i0 = tile * kRows, rows = std::min<int64_t>(kRows, n - i0);
-      kPrefillTiles[rows - 1](q + i0 * q_row + h * q_head, q_row, kt.get() + g * D * Lp, Lp, vp + g * D,
-                              slots.data(), D, start + i0, scale, acc.data(), out + (i0 * H + h) * D, H * D);
-    }
+  std::vector<float> acc(static_cast<size_t>(at::get_num_threads() * kRows * D));
+  parallel_tasks(H * tiles, [&](int64_t task, int64_t) {
+    const int64_t h = task / tiles, tile = task % tiles, g = h / G;
+    const int64_t i0 = tile * kRows, rows = std::min<int64_t>(kRows, n - i0);
+    kPrefillTiles[rows - 1](q + i0 * q_row + h * q_head, q_row, kt.get() + g * D * Lp, Lp, vp + g * D, slots.data(),
+                            D, start + i0, scale, acc.data() + at::get_thread_num() * kRows * D,
+                            out + (i0 * H + h) * D, H * D);
   });
 }
 

@@ -1,5 +1,6 @@
-// Helpers every kernel file shares: eight-float vectors, the exp approximation, an 8x8 register transpose
-// and (AVX-512) a sixteen-wide exp. Inline, so each file gets its own copy.
+// Helpers every kernel file shares: the task split over torch's threads, eight-float vectors, the exp
+// approximation, an 8x8 register transpose and (AVX-512) a sixteen-wide exp. Inline, so each file gets its
+// own copy.
 
 #pragma once
 
@@ -12,6 +13,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -22,6 +24,45 @@
 #include <vector>
 
 namespace aioengine_cpu {
+
+// Runs body(task, end) for every task in [0, n) on torch's threads. Each thread takes the tasks of its own
+// contiguous share in order (end: where that share ends as it stands, so a task can prefetch for the one
+// after it), then takes the other shares' last tasks one at a time (end: task + 1). at::parallel_for hands
+// out the same shares and waits for the slowest: on cores the threads share with others (the event loop's
+// thread runs beside the two compute threads on a 2-core host) a thread the OS preempted held the region
+// for the rest of its share while the other spun at the barrier; here it holds it for one task.
+template <typename Body>
+void parallel_tasks(int64_t n, const Body& body) {
+  if (n <= 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1 || at::in_parallel_region() || n > 0xFFFFFFFFLL) {
+    for (int64_t task = 0; task < n; ++task) body(task, n);
+    return;
+  }
+  // Share s is [front, back), packed in one word: its owner advances front, a thief lowers back, and one
+  // compare-and-swap settles who gets the last task.
+  auto pack = [](uint64_t front, uint64_t back) { return front << 32 | back; };
+  std::unique_ptr<std::atomic<uint64_t>[]> shares(new std::atomic<uint64_t>[static_cast<size_t>(threads)]);
+  for (int64_t s = 0; s < threads; ++s) shares[s].store(pack(n * s / threads, n * (s + 1) / threads));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      for (int64_t k = 0; k < threads; ++k) {
+        std::atomic<uint64_t>& share = shares[(s + k) % threads];
+        const bool own = k == 0;
+        uint64_t word = share.load(std::memory_order_relaxed);
+        while (true) {
+          const uint64_t front = word >> 32, back = word & 0xFFFFFFFFu;
+          if (front >= back) break;
+          const uint64_t next = own ? pack(front + 1, back) : pack(front, back - 1);
+          if (!share.compare_exchange_weak(word, next, std::memory_order_relaxed)) continue;  // word reloaded
+          if (own) body(static_cast<int64_t>(front), static_cast<int64_t>(back));
+          else body(static_cast<int64_t>(back - 1), static_cast<int64_t>(back));
+          word = share.load(std::memory_order_relaxed);
+        }
+      }
+    }
+  });
+}
 
 
 // Eight floats as one value (GCC/Clang vector extensions): AVX registers on x86, pairs of NEON

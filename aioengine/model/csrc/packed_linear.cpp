@@ -255,37 +255,35 @@ void row_block_gemm(const at::Tensor& x, int64_t w_address, int64_t N, int64_t b
   const int64_t halves = (blocks % threads != 0 && blocks < 8 * threads && M >= 2 * kTileRows) ? 2 : 1;
   for (int64_t m_begin = 0; m_begin < M; m_begin += kChunkRows) {
     const int64_t m_chunk = std::min(kChunkRows, M - m_begin);
-    at::parallel_for(0, blocks * halves, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t blk = task / halves, half = task % halves;
-        const int64_t c0 = blk * kGemmBlock, ncols = std::min(kGemmBlock, N - c0);
-        const int64_t split = m_begin + (halves == 2 ? m_chunk / 2 : m_chunk);
-        const int64_t r_begin = half == 0 ? m_begin : split, r_end = half == 0 ? split : m_begin + m_chunk;
-        const int64_t tiles = (r_end - r_begin + kTileRows - 1) / kTileRows;
-        // The next block this thread computes, fetched into L2 a share per tile while this one computes: at
-        // every row count, since a decode step's few rows wait on memory most of all.
-        const bool next = half == halves - 1 && (blk + 1) * halves < end;
-        const float* ahead = next ? w + (blk + 1) * block_stride : nullptr;
-        const int64_t block_lines = next ? K * kGemmBlock / 16 : 0;
-        const auto [dst, ldo] = dest(blk, r_begin, r_end);
-        const int64_t chunks = (K + kGemmChunkK - 1) / kGemmChunkK;  // near-equal K chunks, in order
-        const int64_t steps = chunks * tiles;
-        for (int64_t ch = 0; ch < chunks; ++ch) {
-          const int64_t k0 = K * ch / chunks, k1 = K * (ch + 1) / chunks;
-          int64_t r = r_begin;
-          for (int64_t t = 0; t < tiles; ++t) {
-            const int64_t left = r_end - r, mr = (left + (tiles - t) - 1) / (tiles - t);  // near-equal tiles
-            const int64_t step = ch * tiles + t;
-            const int64_t from = block_lines * step / steps, to = block_lines * (step + 1) / steps;
-            const bool last = ch == chunks - 1;
-            kGemmTiles[mr - 1](xs + r * ldx + k0, ldx, w + blk * block_stride + k0 * kGemmBlock, k1 - k0,
-                               dst + (r - r_begin) * ldo, ldo, ncols, ch > 0, last && b != nullptr ? b + c0 : nullptr,
-                               next ? ahead + 16 * from : nullptr, to - from);
-            r += mr;
-          }
+    parallel_tasks(blocks * halves, [&](int64_t task, int64_t end) {
+      const int64_t blk = task / halves, half = task % halves;
+      const int64_t c0 = blk * kGemmBlock, ncols = std::min(kGemmBlock, N - c0);
+      const int64_t split = m_begin + (halves == 2 ? m_chunk / 2 : m_chunk);
+      const int64_t r_begin = half == 0 ? m_begin : split, r_end = half == 0 ? split : m_begin + m_chunk;
+      const int64_t tiles = (r_end - r_begin + kTileRows - 1) / kTileRows;
+      // The next block this thread computes, fetched into L2 a share per tile while this one computes: at
+      // every row count, since a decode step's few rows wait on memory most of all.
+      const bool next = half == halves - 1 && (blk + 1) * halves < end;
+      const float* ahead = next ? w + (blk + 1) * block_stride : nullptr;
+      const int64_t block_lines = next ? K * kGemmBlock / 16 : 0;
+      const auto [dst, ldo] = dest(blk, r_begin, r_end);
+      const int64_t chunks = (K + kGemmChunkK - 1) / kGemmChunkK;  // near-equal K chunks, in order
+      const int64_t steps = chunks * tiles;
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        const int64_t k0 = K * ch / chunks, k1 = K * (ch + 1) / chunks;
+        int64_t r = r_begin;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t left = r_end - r, mr = (left + (tiles - t) - 1) / (tiles - t);  // near-equal tiles
+          const int64_t step = ch * tiles + t;
+          const int64_t from = block_lines * step / steps, to = block_lines * (step + 1) / steps;
+          const bool last = ch == chunks - 1;
+          kGemmTiles[mr - 1](xs + r * ldx + k0, ldx, w + blk * block_stride + k0 * kGemmBlock, k1 - k0,
+                             dst + (r - r_begin) * ldo, ldo, ncols, ch > 0, last && b != nullptr ? b + c0 : nullptr,
+                             next ? ahead + 16 * from : nullptr, to - from);
+          r += mr;
         }
-        done(blk, r_begin, r_end, dst, ldo);
       }
+      done(blk, r_begin, r_end, dst, ldo);
     });
   }
 }
