@@ -63,6 +63,9 @@ class Linear(nn.Linear):
     """Rows written into the stale copy by ``write_rows`` since it was marked stale (all: it is current)."""
     _packed_for: int = 0
     """The rows oneDNN reordered the copy for (``reorder_hint()`` when it was made): its layout follows."""
+    _packed_threads: int = 0
+    """torch's thread count when the copy was made: oneDNN's layout follows it too (on an AVX2 host, 130 rows
+    for 2 threads are laid out in 16-row blocks, for 1 in 64-row blocks)."""
     _row_blocks: tuple[int, int, int] | None = None
     """``(address, floats, block_stride)`` of the copy where ``kernels.linear_row_blocks`` reads it (64-row
     blocks, checked against the weight); None: oneDNN's GEMM."""
@@ -117,7 +120,7 @@ class Linear(nn.Linear):
         weight = self.weight.detach()
         if not self._pack_in_place(weight):
             try:
-                self._packed_for = self.reorder_hint()
+                self._packed_for, self._packed_threads = self.reorder_hint(), torch.get_num_threads()
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, self._packed_for)
             except RuntimeError as exc:  # e.g. a dtype this CPU's oneDNN has no kernel for
                 logger.warning("oneDNN weight reorder failed (%s); this layer runs F.linear", exc)
@@ -227,7 +230,10 @@ class Linear(nn.Linear):
             return None
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
             return None
-        return row_block_layout(kernels, weight.shape[0], weight.shape[1], self._packed_for)
+        threads = torch.get_num_threads()
+        if threads != self._packed_threads:  # the probe would find the layout of a copy made for these threads
+            return None
+        return row_block_layout(kernels, weight.shape[0], weight.shape[1], self._packed_for, threads)
 
     def _write_packed(
         self, src: torch.Tensor, offset: int, layout: tuple[int, int], plain: torch.Tensor | None
@@ -272,16 +278,19 @@ def _packed_floats(packed: torch.Tensor) -> int:
 
 
 @functools.cache
-def row_block_layout(kernels: ModuleType, out_features: int, in_features: int, hint: int) -> tuple[int, int] | None:
+def row_block_layout(
+    kernels: ModuleType, out_features: int, in_features: int, hint: int, threads: int
+) -> tuple[int, int] | None:
     """``(block, block_stride)`` of ``pack_rows`` under which oneDNN lays out an ``[out, in]``
-    float32 weight reordered for ``hint`` rows here, or None (it then is reordered anew, as before).
+    float32 weight reordered for ``hint`` rows here on ``threads`` threads (torch's count now: the probe
+    is reordered on them), or None (it then is reordered anew, as before).
 
     oneDNN chooses the layout, so it is found, not assumed: for each candidate block size a probe of
     distinct values is written in place into a fresh reorder of zeros and read back through oneDNN's own
     ``to_dense``; the first candidate that returns the probe exactly is the layout. Once per shape and
     process (the first swap pays it: ~0.2 s for a 49k-row LM head)."""
     ops = torch.ops.mkldnn
-    if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
+    if threads != torch.get_num_threads() or not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
         return None
     # Distinct, normal floats (1.0 upwards, one ulp apart): unlike random draws, no two can be equal.
     one = 0x3F800000
