@@ -214,9 +214,14 @@ def speed_paths(worker: Any) -> tuple[bool, bool, bool, bool]:
     )
 
 
-def avx512(kernel: ModuleType) -> bool:
-    """Whether the build has the AVX-512 kernels (the row-block GEMM and the prefill attention)."""
-    return hasattr(kernel, "linear_row_blocks") and hasattr(kernel, "paged_prefill_attention")
+def has_gemm(kernel: ModuleType) -> bool:
+    """Whether the build has the row-block GEMM (AVX-512 and AVX2 builds)."""
+    return hasattr(kernel, "linear_row_blocks")
+
+
+def has_prefill(kernel: ModuleType) -> bool:
+    """Whether the build has the prefill attention (AVX-512 builds)."""
+    return hasattr(kernel, "paged_prefill_attention")
 
 
 @pytest.fixture(scope="module")
@@ -232,8 +237,8 @@ async def test_concurrent_greedy_tokens_equal_hf_with_the_speed_paths_on_or_off(
     on = switches.startswith("on")
     compile_cfg = {"enforce_eager": switches.endswith("eager")}  # eager: pure decode steps via prepare_inputs too
     async with make_engine(llama_ckpt, device={} if on else OFF, compile=compile_cfg) as engine:
-        wide = on and avx512(kernel)
-        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (on, wide, on, wide)
+        want = (on, on and has_prefill(kernel), on, on and has_gemm(kernel))
+        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == want
         assert await greedy(engine) == hf_tokens
 
 
@@ -267,8 +272,8 @@ async def test_greedy_steps_pick_their_tokens_without_computing_the_logits(
     """One rank, the row-block GEMM: a step whose rows are all plain greedy takes the lm_head's fused argmax,
     and the [rows, vocab] logits are never computed; the tokens stay HF's. A request that asks for logprobs
     brings the logits back, with the same tokens."""
-    if not avx512(kernel):
-        pytest.skip("the fused argmax is part of the row-block GEMM (AVX-512 builds)")
+    if not has_gemm(kernel):
+        pytest.skip("the fused argmax is part of the row-block GEMM (AVX-512 and AVX2 builds)")
     async with make_engine(llama_ckpt, compile={"enforce_eager": eager}) as engine:
         await engine.collective_rpc(count_lm_head_paths)
         assert await greedy(engine) == hf_tokens
@@ -300,8 +305,8 @@ async def test_update_weights_with_packed_weights_gives_the_new_checkpoints_toke
     async with make_engine(llama_ckpt) as engine:
         before = await greedy(engine)
         await engine.update_weights(ckpt_b)
-        wide = avx512(kernel)
-        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == (True, wide, True, wide)
+        paths = (True, has_prefill(kernel), True, has_gemm(kernel))
+        assert await engine.collective_rpc(speed_paths, unique_reply_rank=0) == paths
         assert await greedy(engine) == want
     assert all(a != b for a, b in zip(before, want, strict=True)), "A and B must disagree for the swap to show"
 

@@ -1,8 +1,8 @@
 """Specification of oneDNN-packed ``Linear`` weights (``device.cpu_weight_prepack``, on by default): the
 layer runs from a reordered copy of its weight and gives what ``F.linear`` gives; a weight write rewrites
-the copy in place (``pack_rows``), into a layout found by a probe, never assumed; and in AVX-512 builds the
-row-block GEMM (``linear_row_blocks``, ``test_cpu_row_block_gemm.py``) reads that copy once a check confirmed
-its layout. The engine-level checks (HF parity with the speed paths on and off, swaps, sleep) are in
+the copy in place (``pack_rows``), into a layout found by a probe, never assumed; and in AVX-512 and AVX2
+builds the row-block GEMM (``linear_row_blocks``, ``test_cpu_row_block_gemm.py``) reads that copy once a check
+confirmed its layout. The engine-level checks (HF parity with the speed paths on and off, swaps, sleep) are in
 ``test_cpu_kernels.py``.
 """
 
@@ -197,7 +197,7 @@ def test_a_weight_another_module_holds_too_stays_plain(kernel: ModuleType, tmp_p
 
 # ---- in-place repacking (pack_rows) ------------------------------------------------------------------
 class _WithoutGemm:
-    """The kernels as a build without AVX-512 has them: no row-block GEMM, so a copy is reordered for the
+    """The kernels as a build without AVX-512 or AVX2 has them: no row-block GEMM, so a copy is reordered for the
     layer's own hint."""
 
     def __init__(self, kernels: ModuleType) -> None:

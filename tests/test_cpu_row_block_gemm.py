@@ -1,10 +1,11 @@
-"""Specification of aioengine's row-block GEMM (``linear_row_blocks``, AVX-512 builds): ``x @ W.T`` read from
+"""Specification of aioengine's row-block GEMM (``linear_row_blocks``, AVX-512 and AVX2 builds): ``x @ W.T`` read from
 a Linear's oneDNN-reordered copy where that copy is in 64-row blocks (``row_blocks_equal`` confirms it first),
 equal to ``F.linear`` at every row count, thread count, stride and bias, and refused where it does not fit.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -19,7 +20,7 @@ from tests.helpers import packed_linear
 @pytest.fixture
 def gemm_kernel(kernel: ModuleType) -> ModuleType:
     if not hasattr(kernel, "linear_row_blocks"):
-        pytest.skip("the kernels were built without AVX-512: Linear runs oneDNN's GEMM")
+        pytest.skip("the kernels were built without AVX-512 or AVX2: Linear runs oneDNN's GEMM")
     return kernel
 
 
@@ -46,6 +47,27 @@ class _Counting:
         return self.kernels.linear_row_blocks(*args)
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Packing on one thread, so that a copy is in the 64-row blocks the GEMM reads. oneDNN picks the layout
+    per thread count too (on an AVX2 host with 2 threads it lays 130 rows out in 16-row blocks, which the
+    layer then leaves to oneDNN); the GEMM's sums do not depend on who packed the copy."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def row_block_linear(kernels: Any, out_features: int, in_features: int) -> Any:
+    """``packed_linear`` packed on one thread (``one_thread``): its copy is one the GEMM reads."""
+    with one_thread():
+        layer = packed_linear(kernels, out_features, in_features)
+    assert layer._row_blocks is not None
+    return layer
+
+
 @pytest.mark.parametrize(
     ("out_features", "in_features"), [(960, 576), (576, 1536), (100, 37), (7, 5), (130, 24), (64, 64), (70, 4500)]
 )
@@ -57,8 +79,7 @@ def test_the_row_block_gemm_equals_f_linear(
     pads both), a K the kernel sums in three chunks (4500: 1500 each), with and without a bias,
     from a view whose rows are further apart than its columns."""
     counting = _Counting(gemm_kernel)
-    layer = packed_linear(counting, out_features, in_features)  # type: ignore[arg-type]
-    assert layer._row_blocks is not None
+    layer = row_block_linear(counting, out_features, in_features)
     gen = torch.Generator().manual_seed(rows)
     wide = torch.randn(rows, in_features + 3, generator=gen)
     for x in (wide[:, :in_features], wide[:, :in_features].contiguous()):
@@ -144,6 +165,8 @@ def _argmax_case(layer: Any, rows: int, case: str, gen: torch.Generator) -> torc
             for r in (3, 5, 70, 71):
                 layer.weight[r] = top
         layer.mark_packed_stale()
+        with one_thread():
+            layer.pack()
         x = x.abs()
     elif case == "nan":
         x[0, 0] = float("nan")
@@ -165,7 +188,7 @@ def test_the_fused_argmax_is_argmax_rows_of_the_gemm(
     counts over the 6-row tile, split in halves over 2 threads and over the 1024-row chunk."""
     if case == "ties" and out_features < 72:
         pytest.skip("the tie needs 72 output rows")
-    layer = packed_linear(gemm_kernel, out_features, in_features)
+    layer = row_block_linear(gemm_kernel, out_features, in_features)
     gen = torch.Generator().manual_seed(rows + out_features)
     x = _argmax_case(layer, rows, case, gen)
     copy = layer.row_block_weight()

@@ -38,10 +38,11 @@ class Linear(nn.Linear):
     memory, and writes the copy in the same pass as the weight), else anew. It costs a second copy
     of the weight in memory, unless the plain weight is released (below).
 
-    Where the kernels have ``linear_row_blocks`` (AVX-512 builds) and the copy is laid out in 64-row
-    blocks (checked value for value each time it is made), the GEMM runs there instead of in oneDNN,
-    reading the same copy: 1.05-1.75x oneDNN's speed for the 1-64 rows of a decode step, level from
-    128 rows (``python -m benchmarks gemm``).
+    Where the kernels have ``linear_row_blocks`` (AVX-512 and AVX2 builds) and the copy is laid out in
+    64-row blocks (checked value for value each time it is made), the GEMM runs there instead of in
+    oneDNN, reading the same copy: with AVX-512 1.05-1.75x oneDNN's speed for the 1-64 rows of a decode
+    step, level from 128 rows; with AVX2 level with oneDNN (``python -m benchmarks gemm``), and what it
+    brings there is the one-call decoder layer and the greedy lm_head built on it.
 
     With ``keep_plain`` off (the model runner's choice for layers that own their weight alone), a copy
     that the kernels can rewrite in place becomes the weight's one store once it is made: the parameter
@@ -269,7 +270,7 @@ _GEMM_BLOCK = 64
 
 
 def _has_row_block_gemm(kernels: ModuleType | None) -> bool:
-    """Whether these kernels have ``linear_row_blocks`` (AVX-512 builds do)."""
+    """Whether these kernels have ``linear_row_blocks`` (AVX-512 and AVX2 builds do)."""
     return hasattr(kernels, "linear_row_blocks")
 
 

@@ -132,10 +132,11 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The layer as one C++ call: CPU, float32, AVX-512 kernels (their row-block GEMM reading every
-        linear's packed copy, the decode and prefill attention kernels the step uses), one rank, rotary over
-        the whole head. A decode step otherwise pays Python and torch's dispatch some 40 times a layer. None
-        where it does not apply."""
+        """The layer as one C++ call: CPU, float32, kernels with the row-block GEMM (AVX-512 or AVX2; it reads
+        every linear's packed copy) and the decode and prefill attention kernels the step uses (an AVX2 build
+        has no prefill kernel, so only its decode-only steps qualify), one rank, rotary over the whole head.
+        A decode step otherwise pays Python and torch's dispatch some 40 times a layer. None where it does
+        not apply."""
         attn, mlp = self.self_attn, self.mlp
         decoder_layer = getattr(mlp.kernels, "decoder_layer", None)
         rotary = attn.rotary

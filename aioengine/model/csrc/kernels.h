@@ -8,6 +8,12 @@
 #include <tuple>
 #include <vector>
 
+// Builds with the row-block GEMM (packed_linear.cpp): AVX-512, whose tile is 6 rows x a whole 64-column block,
+// or AVX2 with FMA, whose tile is 6 rows x 16 columns, four of them across a block.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define AIOENGINE_ROW_BLOCK_GEMM 1
+#endif
+
 namespace aioengine_cpu {
 
 // attention.cpp
@@ -31,7 +37,7 @@ void pack_rows(const at::Tensor& src, int64_t row_offset, int64_t dst_address, i
                int64_t block_stride, const c10::optional<at::Tensor>& plain);
 bool row_blocks_equal(const at::Tensor& src, int64_t dst_address, int64_t dst_floats, int64_t block,
                       int64_t block_stride);
-#if defined(__AVX512F__)
+#if defined(AIOENGINE_ROW_BLOCK_GEMM)
 at::Tensor linear_row_blocks(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
                              int64_t block_stride, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_row_blocks_argmax(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
@@ -39,7 +45,7 @@ at::Tensor linear_row_blocks_argmax(const at::Tensor& x, int64_t w_address, int6
 #endif
 
 // decoder_layer.cpp
-#if defined(__AVX512F__)
+#if defined(AIOENGINE_ROW_BLOCK_GEMM)
 using PackedLinear = std::tuple<int64_t, int64_t, int64_t, int64_t>;  // address, floats, out_features, block_stride
 using PrefillSpan = std::tuple<int64_t, int64_t, int64_t, at::Tensor>;  // token start, tokens, start position, blocks
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
