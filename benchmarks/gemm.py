@@ -111,7 +111,10 @@ def main() -> None:
         raise SystemExit("this torch has no oneDNN linear: there is nothing to compare")
     kernels = cpu_kernels.load()
     if kernels is None or not hasattr(kernels, "linear_row_blocks"):
-        print("the CPU kernels have no row-block GEMM here (no build, or neither AVX-512 nor AVX2): oneDNN and F.linear only")
+        print(
+            "the CPU kernels have no row-block GEMM here (no build, or neither AVX-512 nor AVX2): "
+            "oneDNN and F.linear only"
+        )
     shape = ModelShape.from_config(checkpoint(args.model))
     hint = SchedulerConfig().max_num_seqs
     torch.manual_seed(0)

@@ -8,8 +8,9 @@ which reads K and V in place through the block tables instead of gathering the c
 ``silu_and_mul`` (``elementwise.cpp``); the in-place rewrite of oneDNN-reordered weights on a swap and,
 in AVX-512 and AVX2 builds, the GEMM that reads them and its greedy form, each row's first maximum without
 the output (``packed_linear.cpp``), and a whole decoder layer in one call (``decoder_layer.cpp``; AVX2
-builds, which have no prefill attention kernel, for decode-only steps). The kernels split their work over torch's threads in tasks that a thread
-done with its own share takes from the others (``parallel_tasks`` in ``common.h``). The plain torch paths
+builds, which have no prefill attention kernel, for decode-only steps). The kernels split their work over
+torch's threads in tasks that a thread done with its own share takes from the others (``parallel_tasks`` in
+``common.h``). The plain torch paths
 (``attention.py``, ``torch.argmax``, the layers' own torch code) stay as the fallback and the reference
 they are tested against.
 
