@@ -124,7 +124,8 @@ def test_every_layer_runs_as_one_call_on_every_kind_of_step(
 
 def test_an_avx2_build_runs_a_prefill_chunk_on_the_module_path(layer_kernel: ModuleType, runner: ModelRunner) -> None:
     """Without the prefill attention kernel the runner leaves ``prefill_kernel`` None (SDPA), so a step with a
-    chunk takes the module path; the kernel itself refuses a chunk, naming what it lacks."""
+    chunk takes the module path; the kernel itself refuses a chunk, naming what it lacks, before it writes any
+    K or V into the cache."""
     if hasattr(layer_kernel, "paged_prefill_attention"):
         pytest.skip("this build has the prefill attention kernel")
     ids, positions, meta, rows = mixed_step(runner)
@@ -134,8 +135,10 @@ def test_an_avx2_build_runs_a_prefill_chunk_on_the_module_path(layer_kernel: Mod
     assert torch.equal(results[0][0], results[1][0])
     meta.prefill_kernel = lambda *args: None  # as if the runner had one: the C++ layer is then called
     assert runner.model is not None and runner.cache_engine is not None
+    before = [c.clone() for c in runner.cache_engine.device_cache]
     with pytest.raises(RuntimeError, match="prefill chunks need the prefill attention kernel"), torch.inference_mode():
         runner.model(ids, positions, runner.cache_engine.device_cache, meta, rows)
+    assert all(torch.equal(a, b) for a, b in zip(runner.cache_engine.device_cache, before, strict=True))
 
 
 def test_padded_tokens_write_no_kv_and_leave_the_real_rows_as_they_are(

@@ -73,6 +73,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decoder_layer: q_norm and k_norm come together");
   const int64_t T = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(num_decodes >= 0 && num_decodes <= T, "decoder_layer: ", num_decodes, " decode rows of ", T, " tokens");
+#if !defined(__AVX512F__)
+  // Before any work: the chunk's K and V would otherwise be in the cache already when this raised.
+  TORCH_CHECK(prefills.empty(), "decoder_layer: prefill chunks need the prefill attention kernel (AVX-512 builds)");
+#endif
   at::Tensor stream = residual.has_value() ? *residual : x;
   at::Tensor h = residual.has_value() ? add_rms_norm(x, stream, input_norm, input_eps)
                                       : rms_norm(x, input_norm, input_eps);
@@ -105,8 +109,6 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     at::Tensor out = attn.narrow(0, start, n);
     paged_prefill_attention(q.narrow(0, start, n), kv_cache, block_ids, start_pos, scale, out);
   }
-#else
-  TORCH_CHECK(prefills.empty(), "decoder_layer: prefill chunks need the prefill attention kernel (AVX-512 builds)");
 #endif
 
   h = add_rms_norm(project(attn.view({T, q_size}), o, o_bias), stream, post_norm, post_eps);
