@@ -139,7 +139,7 @@ bool row_blocks_equal(const at::Tensor& src, int64_t dst_address, int64_t dst_fl
 }
 
 #if defined(AIOENGINE_ROW_BLOCK_GEMM)
-constexpr int64_t kGemmBlock = 64;  // the copy's row block: 64 output columns, four AVX-512 registers
+constexpr int64_t kGemmBlock = 64;  // the copy's row block: 64 output columns, four AVX-512 or eight AVX2 registers
 constexpr int kTileRows = 6;
 
 #if defined(__AVX512F__)
@@ -200,6 +200,12 @@ void gemm_tile(const float* __restrict x, int64_t ldx, const float* __restrict w
 
 constexpr int kTileColumns = 64;  // a tile spans the whole block
 #else
+// The lanes of an 8-float register below n (all of them from 8 on, none from 0 down), as maskload's mask.
+inline __m256i lanes_below(int64_t n) {
+  const int count = static_cast<int>(std::clamp<int64_t>(n, 0, 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 // The AVX2 form of gemm_tile: MR rows x 16 columns of a block (two 8-float registers), so 6 x 2 = 12 of the 16
 // registers accumulate; w and out point at the tile's first column, whose columns k are still 64 floats
 // apart. ncols counts the block's columns from there on (more than 16: all 16 of the tile exist). Loads of
@@ -209,10 +215,7 @@ void gemm_tile(const float* __restrict x, int64_t ldx, const float* __restrict w
                int64_t ldo, int64_t ncols, bool accumulate, const float* __restrict bias, const float* prefetch,
                int64_t lines) {
   __m256 acc[MR][2];
-  __m256i masks[2];
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  masks[0] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(ncols, 8))), lane);
-  masks[1] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(ncols - 8, 8))), lane);
+  const __m256i masks[2] = {lanes_below(ncols), lanes_below(ncols - 8)};
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     acc[r][0] = accumulate ? _mm256_maskload_ps(out + r * ldo, masks[0]) : _mm256_setzero_ps();
@@ -382,10 +385,9 @@ inline bool any_at_least(const float* row, int64_t n, float b) {
   return any != 0;
 #else
   const __m256 bv = _mm256_set1_ps(b);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   int any = 0;
   for (int64_t v = 0; v * 8 < n; ++v) {
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n - 8 * v, 8))), lane);
+    const __m256i mask = lanes_below(n - 8 * v);
     const __m256 ge = _mm256_cmp_ps(_mm256_maskload_ps(row + 8 * v, mask), bv, _CMP_GE_OQ);
     any |= _mm256_movemask_ps(_mm256_and_ps(ge, _mm256_castsi256_ps(mask)));
   }
