@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -15,6 +16,18 @@ from aioengine.model.linear import Linear, released_linears, set_weight_prepack
 
 TIMEOUT = 60.0
 """Seconds any single await on the engine may take: a hung stream fails its test, not the run."""
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch on ``n`` threads inside the block, its count before restored after (oneDNN picks a weight copy's
+    layout per thread count, so packing tests choose it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 async def last_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -22,7 +22,7 @@ from aioengine.testing import build_checkpoint
 from aioengine.worker.model_runner import ModelRunner
 from aioengine.worker.weights import apply_weights, describe_source
 from tests.conftest import engine_config
-from tests.helpers import packed_linear
+from tests.helpers import packed_linear, torch_threads
 
 
 # ---- oneDNN-packed Linear ----------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def test_a_stale_packed_copy_is_rewritten_in_place_exactly(
     with torch.no_grad():
         layer.weight.copy_(torch.randn(out_features, in_features))
     layer.mark_packed_stale()
-    in_place = row_block_layout(kernels, out_features, in_features, hint, torch.get_num_threads()) is not None  # type: ignore[arg-type]
+    in_place = row_block_layout(kernels, out_features, in_features, hint) is not None  # type: ignore[arg-type]
     assert layer.pack() == layer.weight.nbytes
     assert (layer._packed is old) == in_place and layer.packed_current()
     assert torch.equal(layer._packed.to_dense(), layer.weight)
@@ -239,7 +239,7 @@ def test_a_stale_packed_copy_is_rewritten_in_place_exactly(
     assert torch.equal(onednn(x, layer._packed, None, "none", [], ""), onednn(x, fresh, None, "none", [], ""))
     # The row-block GEMM reads the rewritten copy where it is in 64-row blocks (which hints give those is
     # oneDNN's choice for the CPU).
-    layout = row_block_layout(kernels, out_features, in_features, hint, torch.get_num_threads())  # type: ignore[arg-type]
+    layout = row_block_layout(kernels, out_features, in_features, hint)  # type: ignore[arg-type]
     row_blocks = hasattr(kernels, "linear_row_blocks") and layout is not None and layout[0] == 64
     assert (layer._row_blocks is not None) == row_blocks
     assert_runs_packed(layer, x)
@@ -249,7 +249,7 @@ def test_the_models_shapes_have_a_row_block_layout(kernel: ModuleType) -> None:
     """The shapes of the shipped models' layers (SmolLM2-135M, the tiny and small checkpoints) take the
     in-place path on this CPU: without it every swap reorders into fresh memory again."""
     for out_features, in_features in [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (768, 256)]:
-        layout = row_block_layout(kernel, out_features, in_features, 64, torch.get_num_threads())
+        layout = row_block_layout(kernel, out_features, in_features, 64)
         assert layout is not None, (out_features, in_features)
         block, stride = layout
         assert block % 8 == 0 and stride >= in_features * block
@@ -259,13 +259,11 @@ def test_a_copy_made_on_other_threads_is_reordered_anew_on_a_swap(kernel: Module
     """oneDNN's layout follows torch's thread count (here 130 rows may be 16-row blocks for 2 threads and
     64-row blocks for 1): a copy made on one count and swapped on another is reordered anew, not rewritten
     under the other count's layout, and reads back as the new weight."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         layer = packed_linear(kernel, 130, 24)
-        assert layer._packed_threads == 1
-        old = layer._packed
-        torch.set_num_threads(2)
+    assert layer._packed_threads == 1
+    old = layer._packed
+    with torch_threads(2):
         with torch.no_grad():
             layer.weight.copy_(torch.randn(130, 24))
         layer.mark_packed_stale()
@@ -273,8 +271,6 @@ def test_a_copy_made_on_other_threads_is_reordered_anew_on_a_swap(kernel: Module
         assert layer._packed is not old and layer._packed_threads == 2
         assert torch.equal(layer._packed.to_dense(), layer.weight)
         assert_runs_packed(layer, torch.randn(5, 24))
-    finally:
-        torch.set_num_threads(before)
 
 
 class _NoWrite:
@@ -287,7 +283,7 @@ class _NoWrite:
 
 def test_without_a_known_layout_the_copy_is_reordered_anew() -> None:
     layer = packed_linear(_NoWrite(), 96, 64)  # type: ignore[arg-type]
-    assert row_block_layout(_NoWrite(), 96, 64, 64, torch.get_num_threads()) is None  # type: ignore[arg-type]
+    assert row_block_layout(_NoWrite(), 96, 64, 64) is None  # type: ignore[arg-type]
     old = layer._packed
     with torch.no_grad():
         layer.weight.copy_(torch.randn(96, 64))

@@ -5,7 +5,6 @@ equal to ``F.linear`` at every row count, thread count, stride and bias, and ref
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -14,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import packed_linear
+from tests.helpers import packed_linear, torch_threads
 
 
 @pytest.fixture
@@ -27,10 +26,8 @@ def gemm_kernel(kernel: ModuleType) -> ModuleType:
 @pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     """On 2 threads a weight of 9 row blocks splits each block's rows in two (the blocks do not share out)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    with torch_threads(request.param):
+        yield request.param
 
 
 class _Counting:
@@ -47,22 +44,11 @@ class _Counting:
         return self.kernels.linear_row_blocks(*args)
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Packing on one thread, so that a copy is in the 64-row blocks the GEMM reads. oneDNN picks the layout
-    per thread count too (on an AVX2 host with 2 threads it lays 130 rows out in 16-row blocks, which the
-    layer then leaves to oneDNN); the GEMM's sums do not depend on who packed the copy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def row_block_linear(kernels: Any, out_features: int, in_features: int) -> Any:
-    """``packed_linear`` packed on one thread (``one_thread``): its copy is one the GEMM reads."""
-    with one_thread():
+    """``packed_linear`` packed on one thread, so that its copy is in the 64-row blocks the GEMM reads. oneDNN
+    picks the layout per thread count too (on an AVX2 host with 2 threads it lays 130 rows out in 16-row
+    blocks, which the layer then leaves to oneDNN); the GEMM's sums do not depend on who packed the copy."""
+    with torch_threads(1):
         layer = packed_linear(kernels, out_features, in_features)
     assert layer._row_blocks is not None
     return layer
@@ -165,7 +151,7 @@ def _argmax_case(layer: Any, rows: int, case: str, gen: torch.Generator) -> torc
             for r in (3, 5, 70, 71):
                 layer.weight[r] = top
         layer.mark_packed_stale()
-        with one_thread():
+        with torch_threads(1):  # repacked as row_block_linear packed it
             layer.pack()
         x = x.abs()
     elif case == "nan":

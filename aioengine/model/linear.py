@@ -231,10 +231,9 @@ class Linear(nn.Linear):
             return None
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
             return None
-        threads = torch.get_num_threads()
-        if threads != self._packed_threads:  # the probe would find the layout of a copy made for these threads
+        if torch.get_num_threads() != self._packed_threads:  # the probe would find another count's layout
             return None
-        return row_block_layout(kernels, weight.shape[0], weight.shape[1], self._packed_for, threads)
+        return row_block_layout(kernels, weight.shape[0], weight.shape[1], self._packed_for)
 
     def _write_packed(
         self, src: torch.Tensor, offset: int, layout: tuple[int, int], plain: torch.Tensor | None
@@ -278,20 +277,25 @@ def _packed_floats(packed: torch.Tensor) -> int:
     return int(torch.ops.mkldnn._nbytes(packed)) // 4
 
 
-@functools.cache
-def row_block_layout(
-    kernels: ModuleType, out_features: int, in_features: int, hint: int, threads: int
-) -> tuple[int, int] | None:
+def row_block_layout(kernels: ModuleType, out_features: int, in_features: int, hint: int) -> tuple[int, int] | None:
     """``(block, block_stride)`` of ``pack_rows`` under which oneDNN lays out an ``[out, in]``
-    float32 weight reordered for ``hint`` rows here on ``threads`` threads (torch's count now: the probe
-    is reordered on them), or None (it then is reordered anew, as before).
+    float32 weight reordered for ``hint`` rows here on torch's current thread count (the layout follows
+    it too), or None (it then is reordered anew, as before).
 
     oneDNN chooses the layout, so it is found, not assumed: for each candidate block size a probe of
     distinct values is written in place into a fresh reorder of zeros and read back through oneDNN's own
-    ``to_dense``; the first candidate that returns the probe exactly is the layout. Once per shape and
-    process (the first swap pays it: ~0.2 s for a 49k-row LM head)."""
+    ``to_dense``; the first candidate that returns the probe exactly is the layout. Once per shape, thread
+    count and process (the first swap pays it: ~0.2 s for a 49k-row LM head)."""
+    return _probed_layout(kernels, out_features, in_features, hint, torch.get_num_threads())
+
+
+@functools.cache
+def _probed_layout(
+    kernels: ModuleType, out_features: int, in_features: int, hint: int, threads: int
+) -> tuple[int, int] | None:
+    """``row_block_layout``'s probe, cached by thread count as well (run on ``threads``: torch's count now)."""
     ops = torch.ops.mkldnn
-    if threads != torch.get_num_threads() or not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
+    if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
         return None
     # Distinct, normal floats (1.0 upwards, one ulp apart): unlike random draws, no two can be equal.
     one = 0x3F800000
