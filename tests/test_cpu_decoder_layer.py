@@ -2,8 +2,7 @@
 layer run as one C++ call computes what its modules compute one by one, the same kernels in the same order, so
 the logits and the KV cache it writes are bitwise the ones of the module path, for every architecture's
 differences (Qwen2's qkv bias, Qwen3's q/k norms), mixed steps of decodes and prefill chunks, and padded tokens.
-Where it does not apply (a linear not packed, no attention kernel for the step: in AVX2 builds, every step with
-a prefill chunk) the layer takes the module path.
+Where it does not apply (a linear not packed, no attention kernel for the step) the layer takes the module path.
 """
 
 from __future__ import annotations
@@ -27,22 +26,11 @@ SHAPES = [(0, 1), (20, 9), (15, 1), (0, 5), (40, 1), (16, 1)]
 chunk continuing at position 20 and one from 0 (prepare_inputs puts decodes first)."""
 
 
-DECODES = [(start, n) for start, n in SHAPES if n == 1]
-"""The decodes of SHAPES alone: the mixed step of a build without the prefill attention kernel."""
-
-
 @pytest.fixture(scope="module")
 def layer_kernel(kernel: ModuleType) -> ModuleType:
     if not hasattr(kernel, "decoder_layer"):
         pytest.skip("the kernels were built without decoder_layer (AVX-512 and AVX2 builds have it)")
     return kernel
-
-
-@pytest.fixture(scope="module")
-def step_shapes(layer_kernel: ModuleType) -> list[tuple[int, int]]:
-    """SHAPES where the build has the prefill attention kernel (AVX-512), else their decodes: a step with a
-    prefill chunk then takes the module path (``test_an_avx2_build_runs_a_prefill_chunk_on_the_module_path``)."""
-    return SHAPES if hasattr(layer_kernel, "paged_prefill_attention") else DECODES
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
@@ -100,9 +88,9 @@ def forward_both_ways(runner: ModelRunner, step: tuple) -> tuple[list[tuple[torc
 
 
 def test_one_call_layers_give_the_module_paths_logits_and_cache_bit_for_bit(
-    runner: ModelRunner, step_shapes: list[tuple[int, int]]
+    layer_kernel: ModuleType, runner: ModelRunner
 ) -> None:
-    results, taken = forward_both_ways(runner, mixed_step(runner, step_shapes))
+    results, taken = forward_both_ways(runner, mixed_step(runner))
     (fused, fused_caches), (plain, plain_caches) = results
     assert taken == [runner.model_info().num_layers, 0]
     assert torch.equal(fused, plain)
@@ -115,30 +103,9 @@ def test_one_call_layers_give_the_module_paths_logits_and_cache_bit_for_bit(
 def test_every_layer_runs_as_one_call_on_every_kind_of_step(
     layer_kernel: ModuleType, runner: ModelRunner, shapes: list[tuple[int, int]]
 ) -> None:
-    if any(n > 1 for _, n in shapes) and not hasattr(layer_kernel, "paged_prefill_attention"):
-        pytest.skip("a step with a prefill chunk runs as one call only with the prefill attention kernel (AVX-512)")
     results, taken = forward_both_ways(runner, mixed_step(runner, shapes))
     assert taken == [runner.model_info().num_layers, 0]
     assert torch.equal(results[0][0], results[1][0])
-
-
-def test_an_avx2_build_runs_a_prefill_chunk_on_the_module_path(layer_kernel: ModuleType, runner: ModelRunner) -> None:
-    """Without the prefill attention kernel the runner leaves ``prefill_kernel`` None (SDPA), so a step with a
-    chunk takes the module path; the kernel itself refuses a chunk, naming what it lacks, before it writes any
-    K or V into the cache."""
-    if hasattr(layer_kernel, "paged_prefill_attention"):
-        pytest.skip("this build has the prefill attention kernel")
-    ids, positions, meta, rows = mixed_step(runner)
-    assert meta.prefills and meta.prefill_kernel is None
-    results, taken = forward_both_ways(runner, (ids, positions, meta, rows))
-    assert taken == [0, 0]
-    assert torch.equal(results[0][0], results[1][0])
-    meta.prefill_kernel = lambda *args: None  # as if the runner had one: the C++ layer is then called
-    assert runner.model is not None and runner.cache_engine is not None
-    before = [c.clone() for c in runner.cache_engine.device_cache]
-    with pytest.raises(RuntimeError, match="prefill chunks need the prefill attention kernel"), torch.inference_mode():
-        runner.model(ids, positions, runner.cache_engine.device_cache, meta, rows)
-    assert all(torch.equal(a, b) for a, b in zip(runner.cache_engine.device_cache, before, strict=True))
 
 
 def test_padded_tokens_write_no_kv_and_leave_the_real_rows_as_they_are(
@@ -160,7 +127,7 @@ def test_padded_tokens_write_no_kv_and_leave_the_real_rows_as_they_are(
 
 
 def test_a_layer_whose_linear_is_not_packed_takes_the_module_path(
-    runner: ModelRunner, step_shapes: list[tuple[int, int]]
+    layer_kernel: ModuleType, runner: ModelRunner
 ) -> None:
     assert runner.model is not None
     layer = runner.model.model.layers[1]
@@ -168,7 +135,7 @@ def test_a_layer_whose_linear_is_not_packed_takes_the_module_path(
     row_blocks = linear._row_blocks
     linear._row_blocks = None  # a copy not in the row-block layout: oneDNN's GEMM reads it
     try:
-        results, taken = forward_both_ways(runner, mixed_step(runner, step_shapes))
+        results, taken = forward_both_ways(runner, mixed_step(runner))
     finally:
         linear._row_blocks = row_blocks
     assert taken == [runner.model_info().num_layers - 1, 0]

@@ -172,7 +172,7 @@ def test_mixed_batch_from_prepare_inputs_is_the_same_with_and_without_the_kernel
     # Decodes at contexts 1, 16 (a block boundary) and 41; a prefill chunk continuing at position 20 and one from 0.
     # The chunks' own K and V are written into the cache by paged_attention before either path reads them.
     if not hasattr(kernel, KERNEL_OF[path]):
-        pytest.skip(f"the kernels were built without {KERNEL_OF[path]} (AVX-512 only)")
+        pytest.skip(f"the kernels were built without {KERNEL_OF[path]} (AVX-512 and AVX2 builds have it)")
     runner = ModelRunner(engine_config(llama_ckpt), torch.device("cpu"))  # no model: prepare_inputs only
     gen = torch.Generator().manual_seed(3)
     pool = torch.randperm(40, generator=gen).tolist()
@@ -220,7 +220,7 @@ def has_gemm(kernel: ModuleType) -> bool:
 
 
 def has_prefill(kernel: ModuleType) -> bool:
-    """Whether the build has the prefill attention (AVX-512 builds)."""
+    """Whether the build has the prefill attention (AVX-512 and AVX2 builds)."""
     return hasattr(kernel, "paged_prefill_attention")
 
 

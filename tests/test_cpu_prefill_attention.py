@@ -1,7 +1,7 @@
-"""Specification of the C++ prefill attention (``paged_prefill_attention``, AVX-512 builds): one prompt chunk,
-causal, over its whole context in the paged cache, equal to the SDPA path (``attention._prefill``) it
-replaces, which stays for what the kernel does not cover (no AVX-512, a head size off 16, other dtypes).
-A mixed batch through ``prepare_inputs``, with and without it, is checked in ``test_cpu_kernels.py``.
+"""Specification of the C++ prefill attention (``paged_prefill_attention``, AVX-512 and AVX2 builds): one prompt
+chunk, causal, over its whole context in the paged cache, equal to the SDPA path (``attention._prefill``) it
+replaces, which stays for what the kernel does not cover (neither AVX-512 nor AVX2, a head size off 16, other
+dtypes). A mixed batch through ``prepare_inputs``, with and without it, is checked in ``test_cpu_kernels.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from aioengine.model.attention import PrefillChunk, _prefill
 @pytest.fixture
 def prefill_kernel(kernel: ModuleType) -> Callable[..., None]:
     if not hasattr(kernel, "paged_prefill_attention"):
-        pytest.skip("the kernels were built without AVX-512: prefill attention runs SDPA")
+        pytest.skip("the kernels were built without AVX-512 or AVX2: prefill attention runs SDPA")
     return kernel.paged_prefill_attention  # type: ignore[no-any-return]
 
 

@@ -1,5 +1,5 @@
 // Attention over the paged KV cache [2, blocks, block_size, kv_heads, head_size], float32: decode (one query
-// token per row) and, in AVX-512 builds, a prompt chunk (causal).
+// token per row) and, in AVX-512 and AVX2 builds, a prompt chunk (causal).
 
 #include "common.h"
 #include "kernels.h"
@@ -206,60 +206,70 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, con
       static_cast<float>(scale));
 }
 
-#if defined(__AVX512F__)
-constexpr int64_t kKeys = 16;  // keys scored at once: one vector of scores per query row
-constexpr int kRows = 8;       // query rows of one task
+#if defined(AIOENGINE_WIDE)
+using W = Wide;
+// The tile's registers: 16 keys' scores of each of kRows query rows (one AVX-512 register or two AVX2 ones, a
+// row), and the values accumulated kValueRows rows x kValueVectors registers of columns at a time. Sized so a
+// loop's accumulators, its loads and a broadcast fit the register file (32 or 16) with the multiply-adds, not
+// the loads, the bound.
+constexpr int64_t kKeys = 16;
+constexpr int kScoreVectors = kKeys / W::kLanes;
+constexpr int kRows = W::kLanes == 16 ? 8 : 6;
+constexpr int kValueRows = W::kLanes == 16 ? 4 : 6;
+constexpr int kValueVectors = W::kLanes == 16 ? 4 : 2;
 
-// acc[r][d0 .. d0 + 16 * NV) = acc[r][...] * corr[r] + sum over t < keys of p[r][t] * V[t][...] for RH rows, V[t]
-// at vp + vslot[t]: RH x NV accumulators in registers over the keys (a compile-time NV: with a run-time one
+// acc[r][d0 .. d0 + kLanes * NV) = acc[r][...] * corr[r] + sum over t < keys of p[r][t] * V[t][...] for RH rows,
+// V[t] at vp + vslot[t]: RH x NV accumulators in registers over the keys (a compile-time NV: with a run-time one
 // the accumulators lived in memory and this loop ran at a seventh of the FMA rate).
 template <int RH, int NV>
 void add_values_nv(const float (*p)[kKeys], const float* corr, int64_t keys, const float* vp, const int64_t* vslot,
                    int64_t d0, int64_t D, float* acc) {
-  __m512 a[RH][NV];
-#pragma GCC unroll 4
+  W::V a[RH][NV];
+#pragma GCC unroll 8
   for (int r = 0; r < RH; ++r) {
-    const __m512 c = _mm512_set1_ps(corr[r]);
+    const W::V c = W::set1(corr[r]);
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) a[r][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d0 + 16 * v), c);
+    for (int v = 0; v < NV; ++v) a[r][v] = W::mul(W::load(acc + r * D + d0 + W::kLanes * v), c);
   }
   for (int64_t t = 0; t < keys; ++t) {
     const float* vt = vp + vslot[t] + d0;
-    __m512 vv[NV];
+    W::V vv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(vt + 16 * v);
-#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) vv[v] = W::load(vt + W::kLanes * v);
+#pragma GCC unroll 8
     for (int r = 0; r < RH; ++r) {
-      const __m512 w = _mm512_set1_ps(p[r][t]);
+      const W::V w = W::set1(p[r][t]);
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(w, vv[v], a[r][v]);
+      for (int v = 0; v < NV; ++v) a[r][v] = W::fmadd(w, vv[v], a[r][v]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < RH; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + r * D + d0 + 16 * v, a[r][v]);
+    for (int v = 0; v < NV; ++v) W::store(acc + r * D + d0 + W::kLanes * v, a[r][v]);
 }
 
 template <int RH>
 void add_values(const float (*p)[kKeys], const float* corr, int64_t keys, const float* vp, const int64_t* vslot,
                 int64_t d0, int64_t D, int64_t nv, float* acc) {
-  switch (nv) {
-    case 4: return add_values_nv<RH, 4>(p, corr, keys, vp, vslot, d0, D, acc);
-    case 3: return add_values_nv<RH, 3>(p, corr, keys, vp, vslot, d0, D, acc);
-    case 2: return add_values_nv<RH, 2>(p, corr, keys, vp, vslot, d0, D, acc);
-    default: return add_values_nv<RH, 1>(p, corr, keys, vp, vslot, d0, D, acc);
+  if constexpr (kValueVectors == 4) {
+    if (nv == 4) return add_values_nv<RH, 4>(p, corr, keys, vp, vslot, d0, D, acc);
+    if (nv == 3) return add_values_nv<RH, 3>(p, corr, keys, vp, vslot, d0, D, acc);
   }
+  if (nv == 2) return add_values_nv<RH, 2>(p, corr, keys, vp, vslot, d0, D, acc);
+  return add_values_nv<RH, 1>(p, corr, keys, vp, vslot, d0, D, acc);
 }
 
-// One tile of R query rows (at positions first_pos ..) of one head against every key they see: scores of 16
-// keys at once from the transposed keys ktg [D][Lp], an online softmax per row, and the value rows (value t at
-// vp + vslot[t]) accumulated in acc [R][D]; out gets row r at out + r * out_row.
+// One tile of R query rows (at positions first_pos ..) of one head against every key they see: scores of
+// kKeys keys at once from the transposed keys ktg [chunks][D][kKeys], an online softmax per row, and the value rows (value t
+// at vp + vslot[t]) accumulated in acc [R][D]; out gets row r at out + r * out_row.
 template <int R>
-void prefill_tile(const float* q, int64_t q_row, const float* ktg, int64_t Lp, const float* vp, const int64_t* vslot,
+void prefill_tile(const float* q, int64_t q_row, const float* ktg, const float* vp, const int64_t* vslot,
                   int64_t D, int64_t first_pos, float scale, float* acc, float* out, int64_t out_row) {
+  static_assert(R <= W::kLanes && R <= 2 * kValueRows, "one vector holds the rows' corrections, two passes their values");
   alignas(64) float p[R][kKeys];
-  float m[R], l[R], corr[R];
+  alignas(64) float shift[W::kLanes] = {};  // m_old - m_new of each row, then exp of it: corr
+  float m[R], l[R];
   for (int r = 0; r < R; ++r) {
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.f;
@@ -267,38 +277,58 @@ void prefill_tile(const float* q, int64_t q_row, const float* ktg, int64_t Lp, c
   std::fill(acc, acc + R * D, 0.f);
   const int64_t last_pos = first_pos + R - 1;  // the tile's last row sees keys 0 .. last_pos
   for (int64_t c0 = 0; c0 <= last_pos; c0 += kKeys) {
-    __m512 s[R];
+    W::V s[R][kScoreVectors];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kScoreVectors; ++v) s[r][v] = W::zero();
+    const float* kc = ktg + c0 * D;  // the chunk's keys, [D][kKeys]
     for (int64_t d = 0; d < D; ++d) {
-      const __m512 kv = _mm512_loadu_ps(ktg + d * Lp + c0);
+      W::V kv[kScoreVectors];
+      for (int v = 0; v < kScoreVectors; ++v) kv[v] = W::load(kc + d * kKeys + W::kLanes * v);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * q_row + d]), kv, s[r]);
+      for (int r = 0; r < R; ++r) {
+        const W::V qq = W::set1(q[r * q_row + d]);
+        for (int v = 0; v < kScoreVectors; ++v) s[r][v] = W::fmadd(qq, kv[v], s[r][v]);
+      }
     }
     const int64_t keys = std::min(kKeys, last_pos + 1 - c0);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t visible = std::min<int64_t>(kKeys, first_pos + r + 1 - c0);  // causal: keys <= position
       if (visible <= 0) {
-        corr[r] = 1.f;
-        _mm512_store_ps(p[r], _mm512_setzero_ps());
+        shift[r] = 0.f;  // corr 1: the row's state stays as it is
+        for (int v = 0; v < kScoreVectors; ++v) W::store(p[r] + W::kLanes * v, W::zero());
         continue;
       }
-      const __mmask16 mask = static_cast<__mmask16>(visible >= 16 ? 0xFFFF : (1u << visible) - 1);
-      const __m512 sc = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
-      const float mx = std::max(m[r], _mm512_mask_reduce_max_ps(mask, sc));
-      const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
-      corr[r] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mx)));  // ~0 on the first chunk (acc is 0 then)
-      l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(e);
+      W::V sc[kScoreVectors];
+      float mx = m[r];
+      for (int v = 0; v < kScoreVectors; ++v) {
+        sc[v] = W::mul(s[r][v], W::set1(scale));
+        if (visible > W::kLanes * v) mx = std::max(mx, W::max_below(sc[v], visible - W::kLanes * v));
+      }
+      for (int v = 0; v < kScoreVectors; ++v) {
+        W::store(p[r] + W::kLanes * v, W::zero_from(exp_wide(W::sub(sc[v], W::set1(mx))), visible - W::kLanes * v));
+      }
+      shift[r] = m[r] - mx;  // -inf on the first chunk: corr ~0 (acc is 0 then)
       m[r] = mx;
-      _mm512_store_ps(p[r], e);
     }
-    // acc[r] = acc[r] * corr[r] + sum over the chunk's keys t of p[r][t] * V[t], four rows and 64 columns at a time
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-      const int64_t nv = std::min<int64_t>(4, (D - d0) / 16);
-      if constexpr (R >= 4) add_values<4>(p, corr, keys, vp, vslot + c0, d0, D, nv, acc);
+    W::store(shift, exp_wide(W::load(shift)));  // every row's corr at once
+    const float* corr = shift;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      W::V e = W::load(p[r]);
+      for (int v = 1; v < kScoreVectors; ++v) e = W::add(e, W::load(p[r] + W::kLanes * v));
+      l[r] = l[r] * corr[r] + W::sum(e);
+    }
+    // acc[r] = acc[r] * corr[r] + sum over the chunk's keys t of p[r][t] * V[t]
+    for (int64_t d0 = 0; d0 < D; d0 += W::kLanes * kValueVectors) {
+      const int64_t nv = std::min<int64_t>(kValueVectors, (D - d0) / W::kLanes);
+      if constexpr (R >= kValueRows) add_values<kValueRows>(p, corr, keys, vp, vslot + c0, d0, D, nv, acc);
       else add_values<R>(p, corr, keys, vp, vslot + c0, d0, D, nv, acc);
-      if constexpr (R > 4) add_values<R - 4>(p + 4, corr + 4, keys, vp, vslot + c0, d0, D, nv, acc + 4 * D);
+      if constexpr (R > kValueRows) {
+        add_values<R - kValueRows>(p + kValueRows, corr + kValueRows, keys, vp, vslot + c0, d0, D, nv,
+                                   acc + kValueRows * D);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -307,8 +337,8 @@ void prefill_tile(const float* q, int64_t q_row, const float* ktg, int64_t Lp, c
   }
 }
 
-using PrefillTile = void (*)(const float*, int64_t, const float*, int64_t, const float*, const int64_t*, int64_t,
-                             int64_t, float, float*, float*, int64_t);
+using PrefillTile = void (*)(const float*, int64_t, const float*, const float*, const int64_t*, int64_t, int64_t,
+                             float, float*, float*, int64_t);
 template <int... R>
 constexpr std::array<PrefillTile, sizeof...(R)> prefill_tiles(std::integer_sequence<int, R...>) {
   return {&prefill_tile<R + 1>...};
@@ -321,15 +351,17 @@ void prefill_impl(const float* q, int64_t q_row, int64_t q_head, const float* kp
   const int64_t G = H / Hkv, token_stride = Hkv * D, L = start + n, Lp = (L + kKeys - 1) / kKeys * kKeys;
   std::vector<int64_t> slots(L);
   for (int64_t pos = 0; pos < L; ++pos) slots[pos] = (blocks[pos / bs] * bs + pos % bs) * token_stride;
-  // Every KV head's keys transposed, [g][d][Lp] (zero past L): a chunk of 16 keys is then one vector per d.
+  // Every KV head's keys transposed chunk by chunk, [g][Lp / kKeys][d][kKeys] (zero past L): a chunk's keys are
+  // then one run of memory, kScoreVectors registers per d. (Transposed whole, [g][d][Lp], a chunk's rows sat Lp
+  // floats apart, a power of two as often as not, and in a handful of the L1 cache's sets.)
   std::unique_ptr<float[]> kt(new float[Hkv * D * Lp]);  // every element written below
   at::parallel_for(0, Hkv * (Lp / kKeys), 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task / (Lp / kKeys), c0 = (task % (Lp / kKeys)) * kKeys;
-      float* dst = kt.get() + g * D * Lp + c0;
+      float* dst = kt.get() + g * D * Lp + c0 * D;
       for (int64_t t = c0; t < c0 + kKeys; ++t) {
         const float* k = kp + slots[std::min(t, L - 1)] + g * D;
-        for (int64_t d = 0; d < D; ++d) dst[d * Lp + (t - c0)] = t < L ? k[d] : 0.f;
+        for (int64_t d = 0; d < D; ++d) dst[d * kKeys + (t - c0)] = t < L ? k[d] : 0.f;
       }
     }
   });
@@ -338,17 +370,17 @@ void prefill_impl(const float* q, int64_t q_row, int64_t q_head, const float* kp
   parallel_tasks(H * tiles, [&](int64_t task, int64_t) {
     const int64_t h = task / tiles, tile = task % tiles, g = h / G;
     const int64_t i0 = tile * kRows, rows = std::min<int64_t>(kRows, n - i0);
-    kPrefillTiles[rows - 1](q + i0 * q_row + h * q_head, q_row, kt.get() + g * D * Lp, Lp, vp + g * D, slots.data(),
-                            D, start + i0, scale, acc.data() + at::get_thread_num() * kRows * D,
-                            out + (i0 * H + h) * D, H * D);
+    kPrefillTiles[rows - 1](q + i0 * q_row + h * q_head, q_row, kt.get() + g * D * Lp, vp + g * D, slots.data(), D,
+                            start + i0, scale, acc.data() + at::get_thread_num() * kRows * D, out + (i0 * H + h) * D,
+                            H * D);
   });
 }
 
 // Causal attention of one prefill chunk: q [n, H, D] (rows and heads at any stride, D contiguous) at positions
 // start .. start + n - 1, against the whole context 0 .. start + n - 1 in kv_cache [2, N, bs, Hkv, D] through
 // block_ids (the chunk's own K and V written there first); out [n, H, D]. SDPA on CPU reaches 60-85 GFLOP/s
-// on a chunk of 100-500 tokens here; this keeps 16 keys' scores of up to 8 query rows in registers (keys
-// transposed once per KV head), takes the softmax online and accumulates the values in registers.
+// on a chunk of 100-500 tokens here; this keeps 16 keys' scores of up to 8 query rows (6 in AVX2) in registers
+// (keys transposed once per KV head), takes the softmax online and accumulates the values in registers.
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_ids,
                              int64_t start, double scale, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_ids.dim() == 1,

@@ -1,11 +1,13 @@
 // Helpers every kernel file shares: the task split over torch's threads, eight-float vectors, the exp
-// approximation, an 8x8 register transpose and (AVX-512) a sixteen-wide exp. Inline, so each file gets its
-// own copy.
+// approximation, an 8x8 register transpose, and the widest register the build has (Wide) with an exp over it.
+// Inline, so each file gets its own copy.
 
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include "kernels.h"  // AIOENGINE_WIDE
 
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -139,24 +141,94 @@ inline vec8 fold16(__m512 a) {
   const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
   return (vec8)_mm256_add_ps(_mm512_castps512_ps256(a), hi);
 }
+#endif
 
-// exp(x) for 16 floats by exp_approx's approximation (Cephes: range reduction by ln 2, degree-6 polynomial,
+#if defined(__AVX2__) && defined(__FMA__)
+// The lanes of an 8-float register below n (all of them from 8 on, none from 0 down), as maskload's mask.
+inline __m256i lanes_below(int64_t n) {
+  const int count = static_cast<int>(std::clamp<int64_t>(n, 0, 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
+
+// The widest float register the build has, for kernels written once for both: 16 lanes (AVX-512, 32 registers)
+// or 8 (AVX2 with FMA, 16 registers).
+#if defined(AIOENGINE_WIDE) && defined(__AVX512F__)
+struct Wide {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V clamp(V x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, set1(lo)), set1(hi)); }
+  static V floor(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  // 2^n for whole-numbered n (as floats) in the exponent's range.
+  static V pow2(V n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  static float first(V v) { return _mm512_cvtss_f32(v); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  // The largest of the lanes below n (n >= 1), and v with the lanes from n on set to 0 (all of them for n <= 0).
+  static float max_below(V v, int64_t n) { return _mm512_mask_reduce_max_ps(mask(n), v); }
+  static V zero_from(V v, int64_t n) { return _mm512_maskz_mov_ps(mask(n), v); }
+  static __mmask16 mask(int64_t n) {
+    return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1);
+  }
+};
+#elif defined(AIOENGINE_WIDE)
+struct Wide {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V clamp(V x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, set1(lo)), set1(hi)); }
+  static V floor(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static float first(V v) { return _mm256_cvtss_f32(v); }
+  static float sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static float max_below(V v, int64_t n) {
+    v = _mm256_blendv_ps(set1(-std::numeric_limits<float>::infinity()), v, _mm256_castsi256_ps(lanes_below(n)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static V zero_from(V v, int64_t n) { return _mm256_and_ps(v, _mm256_castsi256_ps(lanes_below(n))); }
+};
+#endif
+
+#if defined(AIOENGINE_WIDE)
+// exp(x) lane by lane by exp_approx's approximation (Cephes: range reduction by ln 2, degree-6 polynomial,
 // 2^n from the exponent bits), with fused multiply-adds.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 half = _mm512_set1_ps(0.5f), log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, log2e, half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                    _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(y, x), x), x), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+inline Wide::V exp_wide(Wide::V x) {
+  using W = Wide;
+  x = W::clamp(x, -87.3f, 88.7f);
+  const W::V n = W::floor(W::fmadd(x, W::set1(1.44269504088896341f), W::set1(0.5f)));
+  x = W::add(W::sub(x, W::mul(n, W::set1(0.693359375f))), W::mul(n, W::set1(2.12194440e-4f)));
+  W::V y = W::set1(1.9875691500e-4f);
+  y = W::fmadd(y, x, W::set1(1.3981999507e-3f));
+  y = W::fmadd(y, x, W::set1(8.3334519073e-3f));
+  y = W::fmadd(y, x, W::set1(4.1665795894e-2f));
+  y = W::fmadd(y, x, W::set1(1.6666665459e-1f));
+  y = W::fmadd(y, x, W::set1(5.0000001201e-1f));
+  y = W::add(W::add(W::mul(W::mul(y, x), x), x), W::set1(1.0f));
+  return W::mul(y, W::pow2(n));
 }
 #endif
 

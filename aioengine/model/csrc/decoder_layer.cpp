@@ -1,15 +1,14 @@
-// One Llama-family decoder layer in one call (CPU, float32, builds with the row-block GEMM): the same kernels
+// One Llama-family decoder layer in one call (CPU, float32, AVX-512 or AVX2 builds): the same kernels
 // the layer's modules call one by one from Python (norms, the row-block GEMMs, rotary, the paged attention
 // kernels, SiLU-and-mul), with the KV write and the views between them done here. A decode step of the real
 // model pays Python and torch's dispatch some 40 times a layer otherwise, 10-15% of its time on this CPU.
-// Prefill chunks need the prefill attention kernel (AVX-512 builds); AVX2 builds take decode-only steps.
 
 #include "common.h"
 #include "kernels.h"
 
 namespace aioengine_cpu {
 
-#if defined(AIOENGINE_ROW_BLOCK_GEMM)
+#if defined(AIOENGINE_WIDE)
 namespace {
 
 at::Tensor project(const at::Tensor& x, const PackedLinear& w, const c10::optional<at::Tensor>& bias) {
@@ -73,10 +72,6 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decoder_layer: q_norm and k_norm come together");
   const int64_t T = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(num_decodes >= 0 && num_decodes <= T, "decoder_layer: ", num_decodes, " decode rows of ", T, " tokens");
-#if !defined(__AVX512F__)
-  // Before any work: the chunk's K and V would otherwise be in the cache already when this raised.
-  TORCH_CHECK(prefills.empty(), "decoder_layer: prefill chunks need the prefill attention kernel (AVX-512 builds)");
-#endif
   at::Tensor stream = residual.has_value() ? *residual : x;
   at::Tensor h = residual.has_value() ? add_rms_norm(x, stream, input_norm, input_eps)
                                       : rms_norm(x, input_norm, input_eps);
@@ -102,14 +97,12 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     paged_decode_attention(q.narrow(0, 0, num_decodes), kv_cache, *decode_block_tables, *decode_context_lens, scale,
                            out);
   }
-#if defined(__AVX512F__)
   for (const auto& [start, n, start_pos, block_ids] : prefills) {
     TORCH_CHECK(start >= num_decodes && n > 0 && start + n <= T, "decoder_layer: a prefill chunk of ", n,
                 " tokens at ", start, " outside tokens ", num_decodes, "..", T);
     at::Tensor out = attn.narrow(0, start, n);
     paged_prefill_attention(q.narrow(0, start, n), kv_cache, block_ids, start_pos, scale, out);
   }
-#endif
 
   h = add_rms_norm(project(attn.view({T, q_size}), o, o_bias), stream, post_norm, post_eps);
   return {project(silu_and_mul(project(h, gate_up, c10::nullopt)), down, c10::nullopt), stream};

@@ -8,10 +8,11 @@
 #include <tuple>
 #include <vector>
 
-// Builds with the row-block GEMM (packed_linear.cpp): AVX-512, whose tile is 6 rows x a whole 64-column block,
-// or AVX2 with FMA, whose tile is 6 rows x 16 columns, four of them across a block.
+// Builds with a wide FMA register (common.h's Wide): AVX-512 (16 floats) or AVX2 with FMA (8). They have the
+// row-block GEMM (packed_linear.cpp; its tile 6 rows x a whole 64-column block, or 6 x 16, four across a block),
+// the prefill attention kernel and the one-call layer.
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#define AIOENGINE_ROW_BLOCK_GEMM 1
+#define AIOENGINE_WIDE 1
 #endif
 
 namespace aioengine_cpu {
@@ -19,7 +20,7 @@ namespace aioengine_cpu {
 // attention.cpp
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, at::Tensor& out);
-#if defined(__AVX512F__)
+#if defined(AIOENGINE_WIDE)
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_ids,
                              int64_t start, double scale, at::Tensor& out);
 #endif
@@ -37,7 +38,7 @@ void pack_rows(const at::Tensor& src, int64_t row_offset, int64_t dst_address, i
                int64_t block_stride, const c10::optional<at::Tensor>& plain);
 bool row_blocks_equal(const at::Tensor& src, int64_t dst_address, int64_t dst_floats, int64_t block,
                       int64_t block_stride);
-#if defined(AIOENGINE_ROW_BLOCK_GEMM)
+#if defined(AIOENGINE_WIDE)
 at::Tensor linear_row_blocks(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
                              int64_t block_stride, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_row_blocks_argmax(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
@@ -45,7 +46,7 @@ at::Tensor linear_row_blocks_argmax(const at::Tensor& x, int64_t w_address, int6
 #endif
 
 // decoder_layer.cpp
-#if defined(AIOENGINE_ROW_BLOCK_GEMM)
+#if defined(AIOENGINE_WIDE)
 using PackedLinear = std::tuple<int64_t, int64_t, int64_t, int64_t>;  // address, floats, out_features, block_stride
 using PrefillSpan = std::tuple<int64_t, int64_t, int64_t, at::Tensor>;  // token start, tokens, start position, blocks
 std::tuple<at::Tensor, at::Tensor> decoder_layer(

@@ -8,9 +8,9 @@
 // - linear_row_blocks: x @ W.T (+ bias) read straight from that copy, for the few rows of a decode step;
 //   linear_row_blocks_argmax: the first maximum of each of its rows, for greedy steps over an lm_head
 //   (AVX-512 and AVX2 builds), and row_blocks_equal, which checks that a copy is laid out as it assumes;
-// - paged prefill attention: one prompt chunk, causal, over its context in the paged cache (AVX-512 builds);
-// - decoder_layer: a whole Llama-family layer from the kernels above in one call (AVX-512 builds; AVX2 builds
-//   for steps without prefill chunks).
+// - paged prefill attention: one prompt chunk, causal, over its context in the paged cache (AVX-512 and AVX2
+//   builds);
+// - decoder_layer: a whole Llama-family layer from the kernels above in one call (AVX-512 and AVX2 builds).
 //
 // This file binds them for Python; attention.cpp, elementwise.cpp, packed_linear.cpp and decoder_layer.cpp
 // hold them, common.h their shared helpers. Built on first use by aioengine/model/cpu_kernels.py
@@ -42,7 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_blocks_equal", &row_blocks_equal, "Whether a oneDNN-reordered copy holds the weight under pack_rows' "
         "layout, value for value (CPU, float32)", py::arg("src"), py::arg("dst_address"), py::arg("dst_floats"),
         py::arg("block"), py::arg("block_stride"), release_gil());
-#if defined(AIOENGINE_ROW_BLOCK_GEMM)
+#if defined(AIOENGINE_WIDE)
   m.def("linear_row_blocks", &linear_row_blocks, "x @ W.T (+ bias) from W's oneDNN-reordered copy in 64-row blocks "
         "(CPU, float32, AVX-512 or AVX2)", py::arg("x"), py::arg("w_address"), py::arg("w_floats"),
         py::arg("out_features"), py::arg("block_stride"), py::arg("bias") = py::none(), release_gil());
@@ -51,12 +51,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w_address"), py::arg("w_floats"), py::arg("out_features"), py::arg("block_stride"),
         py::arg("bias") = py::none(), release_gil());
   m.def("decoder_layer", &decoder_layer, "One Llama-family decoder layer: norms, packed GEMMs, rotary, KV write and "
-        "paged attention in one call; returns (MLP output, residual stream) (CPU, float32, AVX-512; AVX2 for "
-        "decode-only steps)", release_gil());
-#endif
-#if defined(__AVX512F__)
+        "paged attention in one call; returns (MLP output, residual stream) (CPU, float32, AVX-512 or AVX2)",
+        release_gil());
   m.def("paged_prefill_attention", &paged_prefill_attention, "Causal attention of one prefill chunk over its paged "
-        "context, in place into out (CPU, float32, AVX-512)", py::arg("q"), py::arg("kv_cache"), py::arg("block_ids"),
-        py::arg("start"), py::arg("scale"), py::arg("out"), release_gil());
+        "context, in place into out (CPU, float32, AVX-512 or AVX2)", py::arg("q"), py::arg("kv_cache"),
+        py::arg("block_ids"), py::arg("start"), py::arg("scale"), py::arg("out"), release_gil());
 #endif
 }

@@ -138,7 +138,7 @@ bool row_blocks_equal(const at::Tensor& src, int64_t dst_address, int64_t dst_fl
   return std::all_of(equal.begin(), equal.end(), [](char e) { return e != 0; });
 }
 
-#if defined(AIOENGINE_ROW_BLOCK_GEMM)
+#if defined(AIOENGINE_WIDE)
 constexpr int64_t kGemmBlock = 64;  // the copy's row block: 64 output columns, four AVX-512 or eight AVX2 registers
 constexpr int kTileRows = 6;
 
@@ -200,12 +200,6 @@ void gemm_tile(const float* __restrict x, int64_t ldx, const float* __restrict w
 
 constexpr int kTileColumns = 64;  // a tile spans the whole block
 #else
-// The lanes of an 8-float register below n (all of them from 8 on, none from 0 down), as maskload's mask.
-inline __m256i lanes_below(int64_t n) {
-  const int count = static_cast<int>(std::clamp<int64_t>(n, 0, 8));
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 // The AVX2 form of gemm_tile: MR rows x 16 columns of a block (two 8-float registers), so 6 x 2 = 12 of the 16
 // registers accumulate; w and out point at the tile's first column, whose columns k are still 64 floats
 // apart. ncols counts the block's columns from there on (more than 16: all 16 of the tile exist). Loads of
