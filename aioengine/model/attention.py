@@ -43,7 +43,7 @@ class AttentionMetadata:
     in place; it needs ``decode_context_lens`` and ignores the mask and groups. None: the torch path."""
     decode_context_lens: torch.Tensor | None = None  # [Bd] int64, position + 1 of each decode token
     prefill_kernel: Callable[..., None] | None = None
-    """CPU float32 (AVX-512 builds): the C++ causal attention of a prefill chunk (``cpu_kernels``), which reads
+    """CPU float32 (AVX-512 and AVX2 builds): the C++ causal attention of a prefill chunk (``cpu_kernels``), which reads
     the chunk's whole context, its own K and V included (written first), from the cache through its block ids.
     None: SDPA."""
 

@@ -133,8 +133,9 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer as one C++ call: CPU, float32, kernels with the row-block GEMM (AVX-512 or AVX2; it reads
-        every linear's packed copy) and the decode and prefill attention kernels the step uses (an AVX2 build
-        has no prefill kernel, so only its decode-only steps qualify), one rank, rotary over the whole head.
+        every linear's packed copy) and the decode and prefill attention kernels the step uses (no prefill
+        kernel for a head size off 16: such a model's prompt steps stay module by module), one rank, rotary
+        over the whole head.
         A decode step otherwise pays Python and torch's dispatch some 40 times a layer. None where it does
         not apply."""
         attn, mlp = self.self_attn, self.mlp

@@ -83,7 +83,7 @@ class ModelRunner:
         self.decode_kernel: Callable[..., None] | None = None
         """The C++ paged decode attention where it applies (``device.cpu_kernels``, CPU, float32)."""
         self.prefill_kernel: Callable[..., None] | None = None
-        """The C++ prefill attention where it applies: as ``decode_kernel``, in AVX-512 builds, head size a
+        """The C++ prefill attention where it applies: as ``decode_kernel``, in AVX-512 and AVX2 builds, head size a
         multiple of 16."""
 
     # ---- set-up ------------------------------------------------------------------------------------
