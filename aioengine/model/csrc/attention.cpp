@@ -261,12 +261,13 @@ void add_values(const float (*p)[kKeys], const float* corr, int64_t keys, const 
 }
 
 // One tile of R query rows (at positions first_pos ..) of one head against every key they see: scores of
-// kKeys keys at once from the transposed keys ktg [chunks][D][kKeys], an online softmax per row, and the value rows (value t
-// at vp + vslot[t]) accumulated in acc [R][D]; out gets row r at out + r * out_row.
+// kKeys keys at once from the transposed keys ktg [chunks][D][kKeys], an online softmax per row, and the value
+// rows (value t at vp + vslot[t]) accumulated in acc [R][D]; out gets row r at out + r * out_row.
 template <int R>
 void prefill_tile(const float* q, int64_t q_row, const float* ktg, const float* vp, const int64_t* vslot,
                   int64_t D, int64_t first_pos, float scale, float* acc, float* out, int64_t out_row) {
-  static_assert(R <= W::kLanes && R <= 2 * kValueRows, "one vector holds the rows' corrections, two passes their values");
+  static_assert(R <= W::kLanes && R <= 2 * kValueRows,
+                "one vector holds the rows' corrections, two passes their values");
   alignas(64) float p[R][kKeys];
   alignas(64) float shift[W::kLanes] = {};  // m_old - m_new of each row, then exp of it: corr
   float m[R], l[R];

@@ -171,7 +171,6 @@ struct Wide {
   static V pow2(V n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
   }
-  static float first(V v) { return _mm512_cvtss_f32(v); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
   // The largest of the lanes below n (n >= 1), and v with the lanes from n on set to 0 (all of them for n <= 0).
   static float max_below(V v, int64_t n) { return _mm512_mask_reduce_max_ps(mask(n), v); }
@@ -197,7 +196,6 @@ struct Wide {
   static V pow2(V n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
   }
-  static float first(V v) { return _mm256_cvtss_f32(v); }
   static float sum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -157,11 +157,9 @@ void gemm_tile(const float* __restrict x, int64_t ldx, const float* __restrict w
                int64_t lines) {
   __m512 acc[MR][NV];
   __mmask16 masks[NV];
+  // The columns of each vector that exist (the last block's may be partial).
 #pragma GCC unroll 4
-  for (int v = 0; v < NV; ++v) {
-    const int64_t c = ncols - 16 * v;  // columns of this vector that exist (the block's last may be partial)
-    masks[v] = c >= 16 ? static_cast<__mmask16>(0xFFFF) : c <= 0 ? 0 : static_cast<__mmask16>((1u << c) - 1);
-  }
+  for (int v = 0; v < NV; ++v) masks[v] = Wide::mask(ncols - 16 * v);
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
@@ -372,8 +370,7 @@ inline bool any_at_least(const float* row, int64_t n, float b) {
   __mmask16 any = 0;
   const __m512 bv = _mm512_set1_ps(b);
   for (int64_t v = 0; v * 16 < n; ++v) {
-    const int64_t c = n - 16 * v;
-    const __mmask16 mask = c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << c) - 1);
+    const __mmask16 mask = Wide::mask(n - 16 * v);
     any |= _mm512_mask_cmp_ps_mask(mask, _mm512_maskz_loadu_ps(mask, row + 16 * v), bv, _CMP_GE_OQ);
   }
   return any != 0;
