@@ -230,4 +230,9 @@ inline Wide::V exp_wide(Wide::V x) {
 }
 #endif
 
+// What both attention kernels need of q [tokens, H, D], the cache and out: float32, and a cache whose heads and
+// head size fit q's (query head h reads KV head h / (H / Hkv)); raises, naming `kernel`, where they do not.
+// Defined in attention.cpp.
+void check_against_cache(const char* kernel, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& out);
+
 }  // namespace aioengine_cpu

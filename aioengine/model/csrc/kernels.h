@@ -20,6 +20,8 @@ namespace aioengine_cpu {
 // attention.cpp
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, at::Tensor& out);
+
+// prefill_attention.cpp
 #if defined(AIOENGINE_WIDE)
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_ids,
                              int64_t start, double scale, at::Tensor& out);
