@@ -113,30 +113,32 @@ void paged_decode_attention_impl(const float* qp, int64_t q_row, const float* kp
   const int64_t lines_per_token = (heads_per_task * D + 15) / 16;  // a task's keys of one token, in cache lines
   const int64_t hq_count = heads_per_task * G, per_thread = hq_count * (bs + 2 + D);
   std::vector<float> scratch(static_cast<size_t>(at::get_num_threads() * per_thread));
+  // Where block j of task t's row begins in K (and in V), at the task's first KV head.
+  auto block_base = [&](int64_t t, int64_t j) {
+    return bt[(t / tasks_per_row) * W + j] * bs * token_stride + (t % tasks_per_row) * heads_per_task * D;
+  };
   parallel_tasks(B * tasks_per_row, [&](int64_t task, int64_t end) {
     float* const scores = scratch.data() + at::get_thread_num() * per_thread;  // this thread's
     float* const running_max = scores + hq_count * bs;
     float* const running_sum = running_max + hq_count;
     float* const acc = running_sum + hq_count;
     const int64_t b = task / tasks_per_row, h0 = (task % tasks_per_row) * heads_per_task, L = cl[b];
-    const int64_t* table = bt + b * W;
     const float* qb = qp + b * q_row + h0 * G * D;  // the task's query heads, hq_count of them
     std::fill(running_max, running_max + hq_count, -std::numeric_limits<float>::infinity());
     std::fill(running_sum, running_sum + hq_count, 0.f);
     std::fill(acc, acc + hq_count * D, 0.f);
     for (int64_t j = 0; j * bs < L; ++j) {
       const int64_t n = std::min(bs, L - j * bs);
-      const int64_t base = table[j] * bs * token_stride + h0 * D;
+      const int64_t base = block_base(task, j);
       // The next block sits anywhere in the cache, where the hardware's prefetch cannot guess it: its keys
       // and values are fetched into L2 a share per query head while this block computes. After the row's last
       // block, the next task's first one (this thread's next task unless another thread takes it): a row's
       // first block otherwise waits on memory, 2-13% of the kernel's time here (more at short contexts).
       int64_t next_n = std::min(bs, L - (j + 1) * bs);
-      int64_t next_base = next_n > 0 ? table[j + 1] * bs * token_stride + h0 * D : 0;
+      int64_t next_base = next_n > 0 ? block_base(task, j + 1) : 0;
       if (next_n <= 0 && task + 1 < end) {
-        const int64_t next_b = (task + 1) / tasks_per_row, next_h0 = ((task + 1) % tasks_per_row) * heads_per_task;
-        next_n = std::min(bs, cl[next_b]);
-        next_base = bt[next_b * W] * bs * token_stride + next_h0 * D;
+        next_n = std::min(bs, cl[(task + 1) / tasks_per_row]);
+        next_base = block_base(task + 1, 0);
       }
       const int64_t next_lines = next_n > 0 ? next_n * lines_per_token : 0;
       for (int64_t hq = 0; hq < hq_count; ++hq) {
