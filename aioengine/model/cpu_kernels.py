@@ -6,12 +6,12 @@ which reads K and V in place through the block tables instead of gathering the c
 attention of a prompt chunk (``prefill_attention.cpp``); ``argmax_rows`` for greedy sampling and the fused
 elementwise layers ``rms_norm``, ``add_rms_norm`` (the residual add and the norm after it in one pass),
 ``rotary_inplace`` and ``silu_and_mul`` (``elementwise.cpp``); the in-place rewrite of oneDNN-reordered
-weights on a swap and, in AVX-512 and AVX2 builds, the GEMM that reads them and its greedy form, each row's
-first maximum without the output (``packed_linear.cpp``), and a whole decoder layer in one call
-(``decoder_layer.cpp``). The kernels split their work over torch's threads in tasks that a thread done with
-its own share takes from the others (``parallel_tasks`` in ``common.h``). The plain torch paths
-(``attention.py``, ``torch.argmax``, the layers' own torch code) stay as the fallback and the reference they
-are tested against.
+weights on a swap and its check (``packed_weights.cpp``) and, in AVX-512 and AVX2 builds, the GEMM that
+reads them and its greedy form, each row's first maximum without the output (``packed_linear.cpp``), and a
+whole decoder layer in one call (``decoder_layer.cpp``). The kernels split their work over torch's threads
+in tasks that a thread done with its own share takes from the others (``parallel_tasks`` in ``common.h``).
+The plain torch paths (``attention.py``, ``torch.argmax``, the layers' own torch code) stay as the fallback
+and the reference they are tested against.
 
 The build needs a C++ compiler and ninja; it takes about half a minute once, then loads from torch's
 extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) in milliseconds.
@@ -44,6 +44,7 @@ _SOURCES = [
         "attention.cpp",
         "prefill_attention.cpp",
         "elementwise.cpp",
+        "packed_weights.cpp",
         "packed_linear.cpp",
         "decoder_layer.cpp",
     )
