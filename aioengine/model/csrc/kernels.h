@@ -35,11 +35,13 @@ void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, c
                     const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
 
-// packed_linear.cpp
+// packed_weights.cpp
 void pack_rows(const at::Tensor& src, int64_t row_offset, int64_t dst_address, int64_t dst_floats, int64_t block,
                int64_t block_stride, const c10::optional<at::Tensor>& plain);
 bool row_blocks_equal(const at::Tensor& src, int64_t dst_address, int64_t dst_floats, int64_t block,
                       int64_t block_stride);
+
+// packed_linear.cpp
 #if defined(AIOENGINE_WIDE)
 at::Tensor linear_row_blocks(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
                              int64_t block_stride, const c10::optional<at::Tensor>& bias);
