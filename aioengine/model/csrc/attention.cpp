@@ -196,7 +196,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, con
               "kv_cache and out must be contiguous, out shaped like q");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3);
-  TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "paged_decode_attention: one table row per query");
+  TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B,
+              "paged_decode_attention: one table row per query");
   const int64_t W = block_tables.size(1);
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
   const int64_t* bt = tables.data_ptr<int64_t>();

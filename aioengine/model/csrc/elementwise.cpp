@@ -10,7 +10,8 @@ namespace aioengine_cpu {
 // torch.argmax walks each row with index bookkeeping that does not vectorise; this takes the row's
 // max in a vectorisable pass, then finds its first occurrence. NaN entries are ignored.
 at::Tensor argmax_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0, "argmax_rows: x must be [B, V>0] float32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "argmax_rows: x must be [B, V>0] float32");
   const at::Tensor xc = x.contiguous();
   const int64_t B = xc.size(0), V = xc.size(1);
   at::Tensor out = at::empty({B}, xc.options().dtype(at::kLong));
@@ -108,7 +109,8 @@ void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, c
   const int64_t T = q.size(0), D = q.size(2), half = D / 2;
   TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
               sin.is_contiguous(), "rotary_inplace: cos/sin must be contiguous [positions, D]");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T, "rotary_inplace: one int64 position per token");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T,
+              "rotary_inplace: one int64 position per token");
   const at::Tensor pos = positions.contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
@@ -139,7 +141,8 @@ void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, c
 
 // SwiGLU's activation: x [T, 2I] -> silu(x[:, :I]) * x[:, I:] as [T, I].
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2I] float32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % 2 == 0,
+              "silu_and_mul: x must be [T, 2I] float32");
   const at::Tensor xc = x.contiguous();
   const int64_t T = xc.size(0), I = xc.size(1) / 2;
   at::Tensor out = at::empty({T, I}, xc.options());

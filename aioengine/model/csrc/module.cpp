@@ -14,8 +14,8 @@
 //
 // This file binds them for Python; attention.cpp, prefill_attention.cpp, elementwise.cpp, packed_weights.cpp,
 // packed_linear.cpp and decoder_layer.cpp hold them, common.h their shared helpers. Built on first use by
-// aioengine/model/cpu_kernels.py (torch.utils.cpp_extension); the plain torch paths (attention.py, layers.py, linear.py, torch.argmax)
-// compute the same things and are what these are tested against.
+// aioengine/model/cpu_kernels.py (torch.utils.cpp_extension); the plain torch paths (attention.py, layers.py,
+// linear.py, torch.argmax) compute the same things and are what these are tested against.
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>

@@ -243,7 +243,9 @@ at::Tensor linear_row_blocks(const at::Tensor& x, int64_t w_address, int64_t w_f
   float* o = out.data_ptr<float>();
   row_block_gemm(
       x, w_address, N, block_stride, b,
-      [&](int64_t blk, int64_t r_begin, int64_t) { return std::pair<float*, int64_t>(o + r_begin * N + blk * kGemmBlock, N); },
+      [&](int64_t blk, int64_t r_begin, int64_t) {
+        return std::pair<float*, int64_t>(o + r_begin * N + blk * kGemmBlock, N);
+      },
       [](int64_t, int64_t, int64_t, const float*, int64_t) {});
   return out;
 }
@@ -284,7 +286,8 @@ inline bool beats(float v, int64_t c, float best, int64_t at) {
 // -inf or 0.
 at::Tensor linear_row_blocks_argmax(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
                                     int64_t block_stride, const c10::optional<at::Tensor>& bias) {
-  const float* bias_floats = checked_row_blocks("linear_row_blocks_argmax", x, w_address, w_floats, N, block_stride, bias);
+  const float* bias_floats =
+      checked_row_blocks("linear_row_blocks_argmax", x, w_address, w_floats, N, block_stride, bias);
   const int64_t M = x.size(0), threads = at::get_num_threads();
   const int64_t task_rows = std::min<int64_t>(M, kChunkRows);  // the most rows a task has
   std::vector<float> buffers(static_cast<size_t>(threads * task_rows * kGemmBlock));
