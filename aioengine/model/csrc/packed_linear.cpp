@@ -206,33 +206,34 @@ void row_block_gemm(const at::Tensor& x, int64_t w_address, int64_t N, int64_t b
       const int64_t split = m_begin + (halves == 2 ? m_chunk / 2 : m_chunk);
       const int64_t r_begin = half == 0 ? m_begin : split, r_end = half == 0 ? split : m_begin + m_chunk;
       const int64_t tiles = (r_end - r_begin + kTileRows - 1) / kTileRows;
-      // For a block of one K chunk: the next block this thread computes, fetched into L2 a share per tile while
-      // this one computes, at every row count, since a decode step's few rows wait on memory most of all.
-      // Where a block's rows are split in two, each half fetches half of it (the second half alone fetching
-      // all of it had half the time to: 1.01-1.07x at 16-64 rows of the real model's shapes).
-      const bool next = (blk + 1) * halves < end;
-      const int64_t all_lines = K * kGemmBlock / 16, first = all_lines * half / halves;
-      const float* ahead = next ? w + (blk + 1) * block_stride + 16 * first : nullptr;
-      const int64_t block_lines = next ? all_lines * (half + 1) / halves - first : 0;
       const auto [dst, ldo] = dest(blk, r_begin, r_end);
       const int64_t chunks = (K + kGemmChunkK - 1) / kGemmChunkK;  // near-equal K chunks, in order
       auto chunk_k = [&](int64_t ch) { return K * ch / chunks; };
       for (int64_t ch = 0; ch < chunks; ++ch) {
         const int64_t k0 = chunk_k(ch), k1 = chunk_k(ch + 1);
-        // What this chunk's tiles prefetch. A block of one chunk: the next block (or this half's share of it).
-        // Of several: a block outgrows L2 beside the next one (1.2 MiB each at K 4864), so each chunk fetches
-        // the chunk after it, and the last one the first chunk of the block of the thread's next task: over 16
-        // layers of a Qwen2.5-0.5B-shaped down projection from memory, 1.30-1.38x at 8-32 rows, 1.18x at 64,
-        // 1.03-1.06x at 128-512 (against the next whole block, spread over all the chunks' tiles).
-        const float* target = next ? ahead : nullptr;
-        int64_t target_lines = block_lines;
-        if (chunks > 1 && ch + 1 < chunks) {
+        // What this chunk's tiles fetch into L2, a share per tile, while it computes: at every row count,
+        // since a decode step's few rows wait on memory most of all.
+        const float* target = nullptr;
+        int64_t target_lines = 0;
+        if (ch + 1 < chunks) {
+          // A block of several chunks outgrows L2 beside the next block (1.2 MiB each at K 4864): the chunk
+          // after this one; and after the last chunk (below), the first chunk of the block of the thread's
+          // next task. Over 16 layers of a Qwen2.5-0.5B-shaped down projection from memory, 1.30-1.38x at
+          // 8-32 rows, 1.18x at 64, 1.03-1.06x at 128-512 against the next whole block over all the chunks.
           target = w + blk * block_stride + k1 * kGemmBlock;
           target_lines = (chunk_k(ch + 2) - k1) * kGemmBlock / 16;
         } else if (chunks > 1) {
-          const bool more = task + 1 < end;
-          target = more ? w + ((task + 1) / halves) * block_stride : nullptr;
-          target_lines = more ? chunk_k(1) * kGemmBlock / 16 : 0;
+          if (task + 1 < end) {
+            target = w + ((task + 1) / halves) * block_stride;
+            target_lines = chunk_k(1) * kGemmBlock / 16;
+          }
+        } else if ((blk + 1) * halves < end) {
+          // A block of one chunk: the next block this thread computes. Where a block's rows are split in two,
+          // each half fetches half of it (the second half alone fetching all of it had half the time to:
+          // 1.01-1.07x at 16-64 rows of the real model's shapes).
+          const int64_t all_lines = K * kGemmBlock / 16, first = all_lines * half / halves;
+          target = w + (blk + 1) * block_stride + 16 * first;
+          target_lines = all_lines * (half + 1) / halves - first;
         }
         int64_t r = r_begin;
         for (int64_t t = 0; t < tiles; ++t) {
