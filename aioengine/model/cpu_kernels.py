@@ -46,6 +46,7 @@ _SOURCES = [
         "elementwise.cpp",
         "packed_weights.cpp",
         "packed_linear.cpp",
+        "greedy_screen.cpp",
         "decoder_layer.cpp",
     )
 ]

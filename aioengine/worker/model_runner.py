@@ -29,7 +29,13 @@ from aioengine.model import cpu_kernels
 from aioengine.model.attention import AttentionMetadata, PrefillChunk, split_decode_rows
 from aioengine.model.hf_config import CheckpointConfig, load_hf_config
 from aioengine.model.layers import use_cpu_kernels
-from aioengine.model.linear import cpu_prepack_supported, drop_packed_weights, release_plain_weights, set_weight_prepack
+from aioengine.model.linear import (
+    cpu_prepack_supported,
+    drop_packed_weights,
+    release_plain_weights,
+    set_weight_prepack,
+    use_greedy_screen,
+)
 from aioengine.model.llama import LlamaForCausalLM, tp_heads
 from aioengine.model.loader import load_model, resolve_dtype, resolve_max_model_len
 from aioengine.model.parallel import SINGLE, TensorParallel
@@ -128,6 +134,7 @@ class ModelRunner:
                     self.prefill_kernel = getattr(kernels, "paged_prefill_attention", None)
                 self.sampler = Sampler(argmax=kernels.argmax_rows)
                 use_cpu_kernels(self.model, kernels)
+                use_greedy_screen(self.model, self.config.device.cpu_greedy_screen)
         release_plain_weights(self.model, not self.config.device.cpu_keep_plain_weights)
         self.prepack_weights()  # after the kernels: with them a copy may be read by their GEMM
         logger.info("loaded %s (%s) in %.2fs", path, self.dtype, time.perf_counter() - start)

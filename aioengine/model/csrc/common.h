@@ -67,6 +67,12 @@ void parallel_tasks(int64_t n, const Body& body) {
 }
 
 
+// Whether value v at column c beats the row's best so far (best, at): greedy's rule, the first maximum, NaN
+// never; so the best over any split of a row's columns, merged in any order, is the whole row's.
+inline bool beats(float v, int64_t c, float best, int64_t at) {
+  return v > best || (v == best && (at < 0 || c < at));
+}
+
 // Eight floats as one value (GCC/Clang vector extensions): AVX registers on x86, pairs of NEON
 // registers on Arm. Loads and stores go through memcpy, so no pointer needs to be aligned.
 typedef float vec8 __attribute__((vector_size(32)));

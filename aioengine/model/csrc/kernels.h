@@ -47,6 +47,18 @@ at::Tensor linear_row_blocks(const at::Tensor& x, int64_t w_address, int64_t w_f
                              int64_t block_stride, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_row_blocks_argmax(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
                                     int64_t block_stride, const c10::optional<at::Tensor>& bias);
+// x's checks for those and greedy_screen_argmax; the bias's floats or null.
+const float* checked_row_blocks(const char* name, const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
+                                int64_t block_stride, const c10::optional<at::Tensor>& bias);
+#endif
+
+// greedy_screen.cpp
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+std::tuple<at::Tensor, at::Tensor> pack_bf16_screen(int64_t w_address, int64_t w_floats, int64_t N, int64_t K,
+                                                    int64_t block_stride);
+at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& norms, int64_t w_address,
+                                int64_t w_floats, int64_t N, int64_t block_stride,
+                                const c10::optional<at::Tensor>& bias);
 #endif
 
 // decoder_layer.cpp

@@ -57,4 +57,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "context, in place into out (CPU, float32, AVX-512 or AVX2)", py::arg("q"), py::arg("kv_cache"),
         py::arg("block_ids"), py::arg("start"), py::arg("scale"), py::arg("out"), release_gil());
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  m.def("pack_bf16_screen", &pack_bf16_screen, "A bfloat16 copy of W's float32 row-block copy for "
+        "greedy_screen_argmax, and the norms of its rows and of their rounding errors (CPU, AVX512-BF16)",
+        py::arg("w_address"), py::arg("w_floats"), py::arg("out_features"), py::arg("in_features"),
+        py::arg("block_stride"), release_gil());
+  m.def("greedy_screen_argmax", &greedy_screen_argmax, "linear_row_blocks_argmax's answer from a bfloat16 screen of "
+        "W and float32 sums of the rows it cannot rule out; empty where it cannot answer (CPU, AVX512-BF16)",
+        py::arg("x"), py::arg("packed"), py::arg("norms"), py::arg("w_address"), py::arg("w_floats"),
+        py::arg("out_features"), py::arg("block_stride"), py::arg("bias") = py::none(), release_gil());
+#endif
 }

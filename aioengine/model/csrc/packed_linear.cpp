@@ -287,12 +287,6 @@ inline bool any_at_least(const float* row, int64_t n, float b) {
 #endif
 }
 
-// Whether value v at column c beats the row's best so far (best, at): greedy's rule, the first maximum, NaN
-// never; so the best over any split of a row's columns, merged in any order, is the whole row's.
-inline bool beats(float v, int64_t c, float best, int64_t at) {
-  return v > best || (v == best && (at < 0 || c < at));
-}
-
 // The first maximum of every row of x [M, K] @ W.T (+ bias), as int64 [M], without writing the [M, N]
 // output: greedy sampling over an lm_head. Each task's sums are those linear_row_blocks writes (the same
 // tiles, in a buffer of the thread's), and each row's best column among them is merged into the thread's
