@@ -158,3 +158,25 @@ def test_kernel_refuses_a_slot_outside_the_cache_naming_it(layer_kernel: ModuleT
     assert runner.model is not None and runner.cache_engine is not None
     with pytest.raises(RuntimeError, match=f"slot {48 * BLOCK} of token 1 outside"), torch.inference_mode():
         runner.model(ids, positions, runner.cache_engine.device_cache, meta, rows)
+
+
+def test_the_last_layer_runs_past_its_attention_only_the_rows_that_sample(
+    layer_kernel: ModuleType, runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fewer rows sample than the step has tokens (decodes, and the last token of each prompt chunk): the last
+    layer's o projection and MLP run those rows alone, one call or module by module, and their logits and every
+    token's K and V are bitwise those of the step computed for all rows."""
+    assert runner.model is not None
+    ids, positions, meta, every = mixed_step(runner)
+    rows = torch.tensor([0, 2, 3, 13, len(ids) - 1])
+    seen: list[int] = []
+    last_mlp = runner.model.model.layers[-1].mlp
+    forward = type(last_mlp).forward
+    monkeypatch.setattr(last_mlp, "forward", lambda x: (seen.append(x.shape[0]), forward(last_mlp, x))[1])
+    whole, _ = forward_both_ways(runner, (ids, positions, meta, every))
+    part, taken = forward_both_ways(runner, (ids, positions, meta, rows))
+    assert taken == [runner.model_info().num_layers, 0]
+    assert seen == [len(ids), len(rows)]  # the module path's last MLP: every row, then the sampling rows alone
+    for (logits, caches), (some, some_caches) in zip(whole, part, strict=True):
+        assert torch.equal(logits[rows], some)
+        assert all(torch.equal(a, b) for a, b in zip(caches, some_caches, strict=True))

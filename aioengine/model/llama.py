@@ -73,8 +73,14 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Every token's K and V into the cache; the output for every row, or for the rows of ``keep`` only."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -83,8 +89,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale).reshape(t, self.q_size)
+        return self.o_proj(out if keep is None else out[keep])
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -108,19 +114,26 @@ class LlamaDecoderLayer(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``: the previous layer's MLP output, not yet added into ``residual`` (the residual stream,
         updated in place); for the first layer the embeddings, with ``residual`` None. Each add is fused
         into the norm that follows it. Where the C++ kernels cover the whole layer, it is one call to them
-        (``_one_call``), computing what the modules below do."""
-        fused = self._one_call(x, residual, positions, kv_cache, meta) if self.one_call else None
+        (``_one_call``), computing what the modules below do.
+
+        With ``keep`` (row indices: the last layer, given the rows that sample) every token still writes its
+        K and V, but everything after the attention runs for those rows alone, and both results are theirs
+        (the residual stream then a new tensor). Each row's sums are the same either way."""
+        fused = self._one_call(x, residual, positions, kv_cache, meta, keep) if self.one_call else None
         if fused is not None:
             return fused
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(h, positions, kv_cache, meta)
+        h = self.self_attn(h, positions, kv_cache, meta, keep)
+        if keep is not None:
+            residual = residual[keep]
         h = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
 
@@ -131,6 +144,7 @@ class LlamaDecoderLayer(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        keep: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer as one C++ call: CPU, float32, kernels with the row-block GEMM (AVX-512 or AVX2; it reads
         every linear's packed copy) and the decode and prefill attention kernels the step uses (no prefill
@@ -186,6 +200,7 @@ class LlamaDecoderLayer(nn.Module):
             meta.decode_context_lens,
             [(c.token_start, c.num_tokens, c.start_pos, c.block_ids) for c in meta.prefills],
             attn.scale,
+            keep,
         )
         return out
 
@@ -283,13 +298,21 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """``forward`` up to the lm_head: the final norm's output for the rows of ``logits_indices`` ([S, H])."""
+        """``forward`` up to the lm_head: the final norm's output for the rows of ``logits_indices`` ([S, H]).
+
+        Where fewer rows sample than the step has tokens (a prompt samples at its last token, a chunk that does
+        not end its prompt not at all), the last layer computes past its attention only the rows that sample:
+        the other tokens need nothing from it but their K and V. A model of 8 layers saves an eighth of a
+        prompt's GEMMs. The rows it keeps are summed as they would be among all the others."""
+        layers = self.model.layers
+        keep = logits_indices if logits_indices.shape[0] < input_ids.shape[0] else None
         x, residual = self.model.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            x, residual = layer(x, residual, positions, kv_cache, meta, keep if i == len(layers) - 1 else None)
         assert residual is not None
-        # the last add and the norm are per token: only the rows that sample
-        return self.model.norm.add_and_norm(x[logits_indices], residual[logits_indices])
+        if keep is None:  # the last add and the norm are per token: only the rows that sample
+            x, residual = x[logits_indices], residual[logits_indices]
+        return self.model.norm.add_and_norm(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head over ``final_hidden``'s rows: [S, V] float32 (gathered from every rank)."""

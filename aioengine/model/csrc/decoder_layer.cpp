@@ -57,7 +57,10 @@ at::Tensor heads_of(const at::Tensor& qkv, int64_t heads, int64_t D, int64_t off
 // in place), or for the first layer the embeddings with no residual (x becomes the stream). The attention
 // metadata is the step's: `slot_mapping` [T]; the first `num_decodes` tokens are decode rows (the decode
 // kernel's block tables and context lengths); then the prefill chunks (token start, tokens, start position,
-// block ids). Returns the layer's MLP output and the residual stream, as LlamaDecoderLayer.forward does.
+// block ids). Returns the layer's MLP output and the residual stream, as LlamaDecoderLayer.forward does. With
+// `keep` (row indices, the model's last layer) every token still writes its K and V, but the rows after the
+// attention (the o projection, the residual add, the MLP) are only those of `keep`, in its order, and so are
+// the two results: a prompt's other tokens need nothing past the last layer's K and V.
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm, double input_eps,
     const at::Tensor& post_norm, double post_eps, const PackedLinear& qkv, const c10::optional<at::Tensor>& qkv_bias,
@@ -66,7 +69,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     double qk_eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const at::Tensor& positions,
     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
     int64_t num_decodes, const c10::optional<at::Tensor>& decode_block_tables,
-    const c10::optional<at::Tensor>& decode_context_lens, const std::vector<PrefillSpan>& prefills, double scale) {
+    const c10::optional<at::Tensor>& decode_context_lens, const std::vector<PrefillSpan>& prefills, double scale,
+    const c10::optional<at::Tensor>& keep) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "decoder_layer: x must be a contiguous float32 [tokens, hidden] CPU tensor");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decoder_layer: q_norm and k_norm come together");
@@ -104,7 +108,13 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     paged_prefill_attention(q.narrow(0, start, n), kv_cache, block_ids, start_pos, scale, out);
   }
 
-  h = add_rms_norm(project(attn.view({T, q_size}), o, o_bias), stream, post_norm, post_eps);
+  at::Tensor rows = attn.view({T, q_size});
+  if (keep.has_value()) {
+    TORCH_CHECK(keep->dim() == 1 && keep->scalar_type() == at::kLong, "decoder_layer: keep must be int64 row indices");
+    rows = rows.index_select(0, *keep);
+    stream = stream.index_select(0, *keep);
+  }
+  h = add_rms_norm(project(rows, o, o_bias), stream, post_norm, post_eps);
   return {project(silu_and_mul(project(h, gate_up, c10::nullopt)), down, c10::nullopt), stream};
 }
 #endif

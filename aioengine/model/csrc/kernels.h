@@ -73,7 +73,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     double qk_eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const at::Tensor& positions,
     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
     int64_t num_decodes, const c10::optional<at::Tensor>& decode_block_tables,
-    const c10::optional<at::Tensor>& decode_context_lens, const std::vector<PrefillSpan>& prefills, double scale);
+    const c10::optional<at::Tensor>& decode_context_lens, const std::vector<PrefillSpan>& prefills, double scale,
+    const c10::optional<at::Tensor>& keep);
 #endif
 
 }  // namespace aioengine_cpu
