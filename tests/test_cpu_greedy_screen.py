@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from aioengine import AsyncEngine
-from aioengine.model.linear import Linear, use_greedy_screen
+from aioengine.model.linear import Linear
 from tests.helpers import hf_generate, packed_linear, torch_threads
 from tests.test_cpu_kernels import NEW_TOKENS, PROMPTS, greedy
 from tests.weight_swap_support import hf_model
@@ -68,7 +68,7 @@ def near_ties(layer: Linear, x: torch.Tensor, gen: torch.Generator) -> None:
 
 
 def answers(kernels: ModuleType, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, Any]:
-    screen = layer._current_screen()
+    screen = layer.greedy_screen_copy()
     copy = layer.row_block_weight()
     assert screen is not None and copy is not None
     address, floats, out_features, stride = copy
@@ -161,7 +161,7 @@ def test_first_max_keeps_the_copy_in_step_with_the_weight(screen_kernel: ModuleT
     assert layer._screen is None
     with torch.no_grad():
         assert torch.equal(layer.first_max(x), after) and layer._screen is not None
-    use_greedy_screen(layer, False)
+    layer.set_greedy_screen(False)
     assert layer._screen is None
     with torch.no_grad():
         assert torch.equal(layer.first_max(x), after) and layer._screen is None
@@ -180,7 +180,8 @@ async def test_the_engine_screens_greedy_steps_and_keeps_hf_tokens(
     screen_kernel: ModuleType, make_engine: Callable[..., AsyncEngine], llama_ckpt: Path,
     hf_tokens: list[list[int]],
 ) -> None:  # fmt: skip
-    """On by default: greedy steps make and read the copy, the tokens stay HF's; off, none is made, same tokens."""
+    """On by default: the copy is made at load and greedy steps read it, the tokens stay HF's; off, none is made,
+    same tokens."""
     for on in (True, False):
         async with make_engine(llama_ckpt, device={"cpu_greedy_screen": on}) as engine:
             assert await greedy(engine) == hf_tokens

@@ -71,7 +71,8 @@ class Linear(nn.Linear):
     """``(address, floats, block_stride)`` of the copy where ``kernels.linear_row_blocks`` reads it (64-row
     blocks, checked against the weight); None: oneDNN's GEMM."""
     greedy_screen: bool = False
-    """Whether ``first_max`` screens with a bfloat16 copy of the weight (``use_greedy_screen``)."""
+    """Whether ``first_max`` screens with a bfloat16 copy of the weight (``set_greedy_screen``; the model runner
+    turns it on for the lm_head)."""
     _screen: tuple[torch.Tensor, torch.Tensor] | None = None
     _screen_generation: int = -1
     _generation: int = 0
@@ -107,7 +108,7 @@ class Linear(nn.Linear):
             return None
         assert self._row_blocks is not None and self.kernels is not None
         address, floats, stride = self._row_blocks
-        screen = self._current_screen()
+        screen = self.greedy_screen_copy()
         if screen is not None:
             tokens = self.kernels.greedy_screen_argmax(
                 x, *screen, address, floats, self.out_features, stride, self.bias
@@ -122,9 +123,11 @@ class Linear(nn.Linear):
         if not on:
             self._screen = None
 
-    def _current_screen(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def greedy_screen_copy(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The bfloat16 copy and row norms ``greedy_screen_argmax`` reads, made from the row-block copy as it
-        is now (again after any write to it); None where the screen is off or these kernels lack it."""
+        is now (again after any write to it: a swap's first greedy step pays it, 0.1 s for a 152k x 896 head);
+        None where the screen is off or these kernels lack it. The model runner makes it at load, so its
+        memory is taken before the KV cache is sized."""
         if not self.greedy_screen or not hasattr(self.kernels, "pack_bf16_screen"):
             return None
         copy = self.row_block_weight()  # brought up to the weight first: the screen is made from it
@@ -399,14 +402,6 @@ def set_weight_prepack(model: nn.Module, hint: int | None) -> int:
             if hint is not None:
                 total += module.pack()
     return total
-
-
-def use_greedy_screen(model: nn.Module, on: bool) -> None:
-    """Turns ``Linear.greedy_screen`` on or off for every layer (only an lm_head's ``first_max`` reads it);
-    off frees the bfloat16 copies."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.set_greedy_screen(on)
 
 
 def drop_packed_weights(model: nn.Module, keep_values: bool = True) -> None:

@@ -34,7 +34,6 @@ from aioengine.model.linear import (
     drop_packed_weights,
     release_plain_weights,
     set_weight_prepack,
-    use_greedy_screen,
 )
 from aioengine.model.llama import LlamaForCausalLM, tp_heads
 from aioengine.model.loader import load_model, resolve_dtype, resolve_max_model_len
@@ -134,9 +133,11 @@ class ModelRunner:
                     self.prefill_kernel = getattr(kernels, "paged_prefill_attention", None)
                 self.sampler = Sampler(argmax=kernels.argmax_rows)
                 use_cpu_kernels(self.model, kernels)
-                use_greedy_screen(self.model, self.config.device.cpu_greedy_screen)
+                # greedy_tokens reads the lm_head on one rank only
+                self.model.lm_head.set_greedy_screen(self.config.device.cpu_greedy_screen and self.model.tp.size == 1)
         release_plain_weights(self.model, not self.config.device.cpu_keep_plain_weights)
         self.prepack_weights()  # after the kernels: with them a copy may be read by their GEMM
+        self.model.lm_head.greedy_screen_copy()  # made now, so the KV cache is sized after its memory is taken
         logger.info("loaded %s (%s) in %.2fs", path, self.dtype, time.perf_counter() - start)
 
     def prepack_weights(self) -> int:
