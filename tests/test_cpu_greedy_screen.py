@@ -180,8 +180,7 @@ async def test_the_engine_screens_greedy_steps_and_keeps_hf_tokens(
     screen_kernel: ModuleType, make_engine: Callable[..., AsyncEngine], llama_ckpt: Path,
     hf_tokens: list[list[int]],
 ) -> None:  # fmt: skip
-    """On by default: the copy is made at load and greedy steps read it, the tokens stay HF's; off, none is made,
-    same tokens."""
+    """On by default: greedy steps make and read the copy, the tokens stay HF's; off, none is made, same tokens."""
     for on in (True, False):
         async with make_engine(llama_ckpt, device={"cpu_greedy_screen": on}) as engine:
             assert await greedy(engine) == hf_tokens

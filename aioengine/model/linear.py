@@ -125,9 +125,10 @@ class Linear(nn.Linear):
 
     def greedy_screen_copy(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The bfloat16 copy and row norms ``greedy_screen_argmax`` reads, made from the row-block copy as it
-        is now (again after any write to it: a swap's first greedy step pays it, 0.1 s for a 152k x 896 head);
-        None where the screen is off or these kernels lack it. The model runner makes it at load, so its
-        memory is taken before the KV cache is sized."""
+        is now (again after any write to it): the first greedy step after load, a swap or a wake pays it, 0.1 s
+        for a 152k x 896 head. None where the screen is off or these kernels lack it. On CPU the KV cache takes
+        a quarter of the free host memory (``cpu_worker.CPU_KV_SHARE``), so the copy (half the head's weight)
+        fits beside it."""
         if not self.greedy_screen or not hasattr(self.kernels, "pack_bf16_screen"):
             return None
         copy = self.row_block_weight()  # brought up to the weight first: the screen is made from it

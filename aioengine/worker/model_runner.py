@@ -137,7 +137,6 @@ class ModelRunner:
                 self.model.lm_head.set_greedy_screen(self.config.device.cpu_greedy_screen and self.model.tp.size == 1)
         release_plain_weights(self.model, not self.config.device.cpu_keep_plain_weights)
         self.prepack_weights()  # after the kernels: with them a copy may be read by their GEMM
-        self.model.lm_head.greedy_screen_copy()  # made now, so the KV cache is sized after its memory is taken
         logger.info("loaded %s (%s) in %.2fs", path, self.dtype, time.perf_counter() - start)
 
     def prepack_weights(self) -> int:

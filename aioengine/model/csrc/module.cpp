@@ -8,12 +8,14 @@
 // - linear_row_blocks: x @ W.T (+ bias) read straight from that copy, for the few rows of a decode step;
 //   linear_row_blocks_argmax: the first maximum of each of its rows, for greedy steps over an lm_head
 //   (AVX-512 and AVX2 builds), and row_blocks_equal, which checks that a copy is laid out as it assumes;
+// - pack_bf16_screen, greedy_screen_argmax: greedy over an lm_head from a bfloat16 copy of its weight, exact (the
+//   float32 GEMM's argmax, bit for bit; AVX-512 builds with AVX512-BF16);
 // - paged prefill attention: one prompt chunk, causal, over its context in the paged cache (AVX-512 and AVX2
 //   builds);
 // - decoder_layer: a whole Llama-family layer from the kernels above in one call (AVX-512 and AVX2 builds).
 //
 // This file binds them for Python; attention.cpp, prefill_attention.cpp, elementwise.cpp, packed_weights.cpp,
-// packed_linear.cpp and decoder_layer.cpp hold them, common.h their shared helpers. Built on first use by
+// packed_linear.cpp, greedy_screen.cpp and decoder_layer.cpp hold them, common.h their shared helpers. Built on first use by
 // aioengine/model/cpu_kernels.py (torch.utils.cpp_extension); the plain torch paths (attention.py, layers.py,
 // linear.py, torch.argmax) compute the same things and are what these are tested against.
 
