@@ -112,7 +112,9 @@ std::tuple<at::Tensor, at::Tensor> pack_bf16_screen(int64_t w_address, int64_t w
       }
       for (int64_t c = 0; c < ncols; ++c) {
         const int64_t row = blk * kBlock + c;
-        n[row] = up(std::sqrt(whole[c])), n[N + row] = up(std::sqrt(error[c])), n[2 * N + row] = up(std::sqrt(rounded[c]));
+        n[row] = up(std::sqrt(whole[c]));
+        n[N + row] = up(std::sqrt(error[c]));
+        n[2 * N + row] = up(std::sqrt(rounded[c]));
       }
     }
   });
@@ -123,8 +125,8 @@ std::tuple<at::Tensor, at::Tensor> pack_bf16_screen(int64_t w_address, int64_t w
 // empty tensor where the screen cannot answer (x not finite, too many rows, or too many rows of W left for the
 // float32 pass: the caller then runs linear_row_blocks_argmax). The rows left are summed from W's float32
 // row-block copy (linear_row_blocks' arguments), which the bfloat16 one was made from.
-at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& norms, int64_t w_address,
-                                int64_t w_floats, int64_t N, int64_t block_stride,
+at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& norms,
+                                int64_t w_address, int64_t w_floats, int64_t N, int64_t block_stride,
                                 const c10::optional<at::Tensor>& bias) {
   const float* b = checked_row_blocks("greedy_screen_argmax", x, w_address, w_floats, N, block_stride, bias);
   const int64_t M = x.size(0), K = x.size(1), pairs = (K + 1) / 2;

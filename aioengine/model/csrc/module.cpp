@@ -15,9 +15,9 @@
 // - decoder_layer: a whole Llama-family layer from the kernels above in one call (AVX-512 and AVX2 builds).
 //
 // This file binds them for Python; attention.cpp, prefill_attention.cpp, elementwise.cpp, packed_weights.cpp,
-// packed_linear.cpp, greedy_screen.cpp and decoder_layer.cpp hold them, common.h their shared helpers. Built on first use by
-// aioengine/model/cpu_kernels.py (torch.utils.cpp_extension); the plain torch paths (attention.py, layers.py,
-// linear.py, torch.argmax) compute the same things and are what these are tested against.
+// packed_linear.cpp, greedy_screen.cpp and decoder_layer.cpp hold them, common.h their shared helpers. Built on
+// first use by aioengine/model/cpu_kernels.py (torch.utils.cpp_extension); the plain torch paths (attention.py,
+// layers.py, linear.py, torch.argmax) compute the same things and are what these are tested against.
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>
