@@ -96,6 +96,30 @@ def test_the_screen_answers_what_the_float32_gemm_answers(
         assert screened.dtype == torch.int64 and torch.equal(screened, exact)
 
 
+def test_the_copy_holds_each_weight_rounded_to_bfloat16_and_norms_that_bound_it(screen_kernel: ModuleType) -> None:
+    """Rows off the 64-row block and an odd K (both padded with zeros), values torch rounds to bfloat16 the same way
+    (to nearest, ties to even), denormals flushed to zero; the norms of the rows, of their rounding errors and of
+    the rounded rows are at least the float64 ones, within a few float32 ulp."""
+    gen = torch.Generator().manual_seed(9)
+    layer = screened_linear(screen_kernel, 130, 37, gen)
+    with torch.no_grad():
+        layer.weight[0, :4] = torch.tensor([1e-40, -1e-39, 3.0e38, 1.0 + 2**-8])  # denormals; large; a tie to even
+    layer.mark_packed_stale()
+    screen = layer.greedy_screen_copy()
+    assert screen is not None
+    packed, norms = screen
+    words = packed.view(-1, 37 // 2 + 1, 64, 2).to(torch.int32) & 0xFFFF  # [block, pair, column, k of the pair]
+    values = (words << 16).view(torch.float32).permute(0, 2, 1, 3).reshape(-1, 38)
+    w = layer.weight.detach()
+    want = w.to(torch.bfloat16).float()
+    want[want.abs() < 2**-126] = 0.0
+    assert torch.equal(values[:130, :37], want) and not values[130:].any() and not values[:, 37].any()
+    assert values[0, 3] == 1.0  # the tie went to the even neighbour
+    exact = torch.stack([w.double().norm(dim=1), (w.double() - want.double()).norm(dim=1), want.double().norm(dim=1)])
+    assert (norms.double() >= exact).all()
+    torch.testing.assert_close(norms.double(), exact, rtol=1e-6, atol=0)
+
+
 def test_near_ties_are_decided_by_the_float32_sums(screen_kernel: ModuleType) -> None:
     """A row whose bfloat16 copy equals an earlier row's but whose float32 sum is larger, by a few ulp: found."""
     gen = torch.Generator().manual_seed(5)
@@ -155,7 +179,9 @@ def test_first_max_keeps_the_copy_in_step_with_the_weight(screen_kernel: ModuleT
             assert layer.write_rows(0, layer.weight, new)  # into the weight and its copy, in place
     with torch.no_grad():
         after = layer.first_max(x)
-        assert layer._screen is not screen and torch.equal(after, torch.nn.functional.linear(x, new).argmax(dim=-1))
+        assert layer._screen is not None and layer._screen_generation == layer._generation
+        assert layer._screen[0].data_ptr() == screen[0].data_ptr()  # rewritten in place
+        assert torch.equal(after, torch.nn.functional.linear(x, new).argmax(dim=-1))
     assert not torch.equal(after, first), "the new weight must pick other rows for the test to show"
     layer.drop_packed()
     assert layer._screen is None

@@ -125,10 +125,10 @@ class Linear(nn.Linear):
 
     def greedy_screen_copy(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The bfloat16 copy and row norms ``greedy_screen_argmax`` reads, made from the row-block copy as it
-        is now (again after any write to it): the first greedy step after load, a swap or a wake pays it, 0.1 s
-        for a 152k x 896 head. None where the screen is off or these kernels lack it. On CPU the KV cache takes
-        a quarter of the free host memory (``cpu_worker.CPU_KV_SHARE``), so the copy (half the head's weight)
-        fits beside it."""
+        is now (again after any write to it, into the same memory): the first greedy step after load, a swap or
+        a wake pays it. None where the screen is off or these kernels lack it. On CPU the KV cache takes a
+        quarter of the free host memory (``cpu_worker.CPU_KV_SHARE``), so the copy (half the head's weight) fits
+        beside it."""
         if not self.greedy_screen or not hasattr(self.kernels, "pack_bf16_screen"):
             return None
         copy = self.row_block_weight()  # brought up to the weight first: the screen is made from it
@@ -137,8 +137,8 @@ class Linear(nn.Linear):
         if self._screen is None or self._screen_generation != self._generation:
             assert self.kernels is not None
             address, floats, out_features, stride = copy
-            self._screen = None  # the old copy's memory goes before the new one is made
-            self._screen = self.kernels.pack_bf16_screen(address, floats, out_features, self.in_features, stride)
+            into = self._screen if self._screen is not None else (None, None)  # rewritten in place where it fits
+            self._screen = self.kernels.pack_bf16_screen(address, floats, out_features, self.in_features, stride, *into)
             self._screen_generation = self._generation
         return self._screen
 

@@ -25,20 +25,19 @@ constexpr int64_t kBlock = 64;  // columns of W per block of the copy, as in the
 constexpr int kTileRows = 6;
 constexpr int64_t kMaxRows = 1024;  // rows of x one call screens (a greedy step has at most max_num_seqs)
 
-// v rounded to bfloat16 (to nearest, ties to even; results below the normal range flushed to zero, so no
-// denormal reaches VDPBF16PS, which would read it as zero), as its 16 bits; `back` gets the value as a float.
-inline uint16_t to_bf16(float v, float& back) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  if ((bits & 0x7F800000u) == 0x7F800000u) {  // inf or NaN: kept (the norms then say the copy is unusable)
-    back = v;
-    return static_cast<uint16_t>(bits >> 16 | ((bits & 0xFFFF) != 0 ? 0x40 : 0));
-  }
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  bits &= 0xFFFF0000u;
-  if ((bits & 0x7F800000u) == 0) bits &= 0x80000000u;  // a denormal result: to zero
-  std::memcpy(&back, &bits, 4);
-  return static_cast<uint16_t>(bits >> 16);
+// 16 floats (as their bits) rounded to bfloat16, to nearest, ties to even, each in the upper half of its 32 bits,
+// the lower half zero: results below the normal range flushed to zero (so no denormal reaches VDPBF16PS, which
+// reads one as zero), inf kept, NaN kept a NaN. The values a float of those bits holds are what the norms use.
+inline __m512i round_bf16(__m512i bits) {
+  const __m512i exponent = _mm512_set1_epi32(0x7F800000);
+  const __mmask16 special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(bits, exponent), exponent);  // inf, NaN
+  const __mmask16 low = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0xFFFF));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  r = _mm512_mask_mov_epi32(r, special, _mm512_mask_or_epi32(bits, low, bits, _mm512_set1_epi32(0x400000)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __mmask16 tiny = _mm512_testn_epi32_mask(r, exponent);
+  return _mm512_mask_and_epi32(r, tiny, r, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
 }
 
 // A float rounded up to the next float: a norm computed in double and stored as float stays an upper bound.
@@ -83,38 +82,62 @@ struct Candidate {
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> pack_bf16_screen(int64_t w_address, int64_t w_floats, int64_t N, int64_t K,
-                                                    int64_t block_stride) {
+                                                    int64_t block_stride, const c10::optional<at::Tensor>& into_packed,
+                                                    const c10::optional<at::Tensor>& into_norms) {
   const int64_t pairs = (K + 1) / 2, blocks = (N + kBlock - 1) / kBlock;
   TORCH_CHECK(w_address != 0 && N > 0 && K > 0 && block_stride >= K * kBlock && blocks * block_stride <= w_floats,
               "pack_bf16_screen: the weight copy (", w_floats, " floats) does not hold ", N, " rows of ", K,
               " columns in blocks of ", kBlock, " at stride ", block_stride);
+  // Into the previous copy where it has this shape (a swap's rebuild then touches no fresh pages), else anew.
   const at::TensorOptions options = at::TensorOptions().device(at::kCPU);
-  at::Tensor packed = at::zeros({blocks, pairs, 2 * kBlock}, options.dtype(at::kShort));
-  at::Tensor norms = at::empty({3, N}, options.dtype(at::kFloat));
+  auto fits = [](const c10::optional<at::Tensor>& t, at::IntArrayRef shape, at::ScalarType dtype) {
+    return t.has_value() && t->sizes() == shape && t->scalar_type() == dtype && t->is_contiguous() && t->is_cpu();
+  };
+  const std::vector<int64_t> packed_shape{blocks, pairs, 2 * kBlock}, norms_shape{3, N};
+  at::Tensor packed = fits(into_packed, packed_shape, at::kShort) ? *into_packed
+                                                                  : at::empty(packed_shape, options.dtype(at::kShort));
+  at::Tensor norms = fits(into_norms, norms_shape, at::kFloat) ? *into_norms
+                                                               : at::empty(norms_shape, options.dtype(at::kFloat));
   const float* src = reinterpret_cast<const float*>(w_address);
-  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<int16_t>());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<int16_t>());
   float* n = norms.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
-      const float* block = src + blk * block_stride;
-      uint16_t* out = dst + blk * pairs * 2 * kBlock;
+      const float* block = src + blk * block_stride;  // column c's value k at block[k * 64 + c]
+      uint32_t* out = dst + blk * pairs * kBlock;       // pair p's word for column c at out[p * 64 + c]
       const int64_t ncols = std::min(kBlock, N - blk * kBlock);
-      // Column c's value k is block[k * 64 + c]: a column's three sums run over the block's K rows together.
-      double whole[kBlock] = {}, error[kBlock] = {}, rounded[kBlock] = {};
-      for (int64_t k = 0; k < K; ++k) {
-        for (int64_t c = 0; c < ncols; ++c) {
-          const float v = block[k * kBlock + c];
-          float back;
-          out[(k / 2) * 2 * kBlock + 2 * c + k % 2] = to_bf16(v, back);
-          const double d = static_cast<double>(v) - back;
-          whole[c] += static_cast<double>(v) * v, error[c] += d * d, rounded[c] += static_cast<double>(back) * back;
+      for (int64_t g = 0; g < kBlock / 16; ++g) {  // 16 columns at a time; those past N (and past K) as zeros
+        const __mmask16 mask = Wide::mask(ncols - 16 * g);
+        __m512d sums[3][2] = {};  // |w|^2, |w - w~|^2, |w~|^2 of the 16 columns, in double
+        auto add = [&](__m512 v, __m512i rounded) {
+          const __m512 back = _mm512_castsi512_ps(rounded);
+          const __m512 parts[3] = {v, _mm512_sub_ps(v, back), back};  // v - w~ is exact (Sterbenz, or w~ = 0)
+          for (int q = 0; q < 3; ++q) {
+            const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(parts[q]));
+            const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(parts[q]), 1)));
+            sums[q][0] = _mm512_fmadd_pd(lo, lo, sums[q][0]);
+            sums[q][1] = _mm512_fmadd_pd(hi, hi, sums[q][1]);
+          }
+        };
+        for (int64_t p = 0; p < pairs; ++p) {
+          const __m512 even = _mm512_maskz_loadu_ps(mask, block + 2 * p * kBlock + 16 * g);
+          const __m512 odd = 2 * p + 1 < K ? _mm512_maskz_loadu_ps(mask, block + (2 * p + 1) * kBlock + 16 * g)
+                                           : _mm512_setzero_ps();
+          const __m512i re = round_bf16(_mm512_castps_si512(even)), ro = round_bf16(_mm512_castps_si512(odd));
+          _mm512_storeu_si512(out + p * kBlock + 16 * g,
+                              _mm512_or_si512(ro, _mm512_srli_epi32(re, 16)));  // value k even in the low half
+          add(even, re);
+          add(odd, ro);
         }
-      }
-      for (int64_t c = 0; c < ncols; ++c) {
-        const int64_t row = blk * kBlock + c;
-        n[row] = up(std::sqrt(whole[c]));
-        n[N + row] = up(std::sqrt(error[c]));
-        n[2 * N + row] = up(std::sqrt(rounded[c]));
+        double columns[3][16];
+        for (int q = 0; q < 3; ++q) {
+          _mm512_storeu_pd(columns[q], sums[q][0]);
+          _mm512_storeu_pd(columns[q] + 8, sums[q][1]);
+        }
+        for (int64_t c = 0; c < std::min<int64_t>(16, ncols - 16 * g); ++c) {
+          const int64_t row = blk * kBlock + 16 * g + c;
+          for (int q = 0; q < 3; ++q) n[q * N + row] = up(std::sqrt(columns[q][c]));
+        }
       }
     }
   });
@@ -147,13 +170,21 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
   std::vector<float> c_whole(M), c_error(M), c_rounded(M);
   const double g = static_cast<double>(K) * 0x1p-23 / (1.0 - static_cast<double>(K) * 0x1p-23);
   const double slack = 1.0 + 0x1p-20;
+  std::vector<float> row_rounded(static_cast<size_t>(K));
   for (int64_t r = 0; r < M; ++r) {
+    const float* xr = xs + r * ldx;
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mask = Wide::mask(K - k);
+      const __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, xr + k));
+      _mm512_mask_storeu_ps(row_rounded.data() + k, mask, _mm512_castsi512_ps(round_bf16(bits)));
+    }
     double whole = 0, error = 0, rounded = 0;
-    uint16_t* pr = reinterpret_cast<uint16_t*>(xp.data() + r * pairs);
+    uint16_t* pr = reinterpret_cast<uint16_t*>(xp.data() + r * pairs);  // value k at pr[k]: k even in the low half
     for (int64_t k = 0; k < K; ++k) {
-      const float v = xs[r * ldx + k];
-      float back;
-      pr[k] = to_bf16(v, back);
+      const float v = xr[k], back = row_rounded[k];
+      uint32_t bits;
+      std::memcpy(&bits, &back, 4);
+      pr[k] = static_cast<uint16_t>(bits >> 16);
       const double d = static_cast<double>(v) - back;
       whole += static_cast<double>(v) * v, error += d * d, rounded += static_cast<double>(back) * back;
     }

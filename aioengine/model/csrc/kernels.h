@@ -55,7 +55,8 @@ const float* checked_row_blocks(const char* name, const at::Tensor& x, int64_t w
 // greedy_screen.cpp
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 std::tuple<at::Tensor, at::Tensor> pack_bf16_screen(int64_t w_address, int64_t w_floats, int64_t N, int64_t K,
-                                                    int64_t block_stride);
+                                                    int64_t block_stride, const c10::optional<at::Tensor>& into_packed,
+                                                    const c10::optional<at::Tensor>& into_norms);
 at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& norms,
                                 int64_t w_address, int64_t w_floats, int64_t N, int64_t block_stride,
                                 const c10::optional<at::Tensor>& bias);

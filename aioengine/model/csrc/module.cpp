@@ -61,9 +61,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   m.def("pack_bf16_screen", &pack_bf16_screen, "A bfloat16 copy of W's float32 row-block copy for "
-        "greedy_screen_argmax, and the norms of its rows and of their rounding errors (CPU, AVX512-BF16)",
-        py::arg("w_address"), py::arg("w_floats"), py::arg("out_features"), py::arg("in_features"),
-        py::arg("block_stride"), release_gil());
+        "greedy_screen_argmax, and the norms of its rows and of their rounding errors, into the previous copy's "
+        "tensors where they fit (CPU, AVX512-BF16)", py::arg("w_address"), py::arg("w_floats"),
+        py::arg("out_features"), py::arg("in_features"), py::arg("block_stride"), py::arg("into_packed") = py::none(),
+        py::arg("into_norms") = py::none(), release_gil());
   m.def("greedy_screen_argmax", &greedy_screen_argmax, "linear_row_blocks_argmax's answer from a bfloat16 screen of "
         "W and float32 sums of the rows it cannot rule out; empty where it cannot answer (CPU, AVX512-BF16)",
         py::arg("x"), py::arg("packed"), py::arg("norms"), py::arg("w_address"), py::arg("w_floats"),
