@@ -104,18 +104,17 @@ class Linear(nn.Linear):
         screens every row and float32 sums only the rows it cannot rule out (``greedy_screen_argmax``): the
         same answer, bit for bit, at about half the cost of the float32 GEMM (half the bytes, and two
         multiply-adds per lane). Where the screen cannot vouch for its answer the float32 GEMM answers."""
-        if x.dim() != 2 or x.stride(1) != 1 or self.row_block_weight() is None:
+        copy = self.row_block_weight() if x.dim() == 2 and x.stride(1) == 1 else None
+        if copy is None:
             return None
-        assert self._row_blocks is not None and self.kernels is not None
-        address, floats, stride = self._row_blocks
-        screen = self.greedy_screen_copy()
+        assert self.kernels is not None
+        address, floats, out_features, stride = copy
+        screen = self._screen_of(copy)
         if screen is not None:
-            tokens = self.kernels.greedy_screen_argmax(
-                x, *screen, address, floats, self.out_features, stride, self.bias
-            )
+            tokens = self.kernels.greedy_screen_argmax(x, *screen, address, floats, out_features, stride, self.bias)
             if tokens.numel() == x.shape[0]:
                 return tokens
-        return self.kernels.linear_row_blocks_argmax(x, address, floats, self.out_features, stride, self.bias)
+        return self.kernels.linear_row_blocks_argmax(x, address, floats, out_features, stride, self.bias)
 
     def set_greedy_screen(self, on: bool) -> None:
         """``greedy_screen`` on or off; off frees the bfloat16 copy."""
@@ -129,10 +128,12 @@ class Linear(nn.Linear):
         a wake pays it. None where the screen is off or these kernels lack it. On CPU the KV cache takes a
         quarter of the free host memory (``cpu_worker.CPU_KV_SHARE``), so the copy (half the head's weight) fits
         beside it."""
-        if not self.greedy_screen or not hasattr(self.kernels, "pack_bf16_screen"):
-            return None
         copy = self.row_block_weight()  # brought up to the weight first: the screen is made from it
-        if copy is None:
+        return None if copy is None else self._screen_of(copy)
+
+    def _screen_of(self, copy: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``greedy_screen_copy`` for the current row-block copy ``copy`` (``row_block_weight()``'s answer)."""
+        if not self.greedy_screen or not hasattr(self.kernels, "pack_bf16_screen"):
             return None
         if self._screen is None or self._screen_generation != self._generation:
             assert self.kernels is not None

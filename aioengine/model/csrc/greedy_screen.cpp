@@ -43,6 +43,31 @@ inline __m512i round_bf16(__m512i bits) {
 // A float rounded up to the next float: a norm computed in double and stored as float stays an upper bound.
 inline float up(double v) { return std::nextafter(static_cast<float>(v), std::numeric_limits<float>::infinity()); }
 
+// The three squared norms a bound needs, |v|^2, |v - v~|^2 and |v~|^2, summed lane by lane in double over the
+// vectors added: for W's copy each lane is a column (a row of W), for x the lanes are summed at the end.
+struct SquareSums {
+  __m512d sums[3][2] = {};  // [quantity][lanes 0-7, 8-15]
+
+  // v and its rounding (round_bf16's bits); returns the rounding. v - v~ is exact (Sterbenz, or v~ = 0).
+  __m512i add(__m512 v) {
+    const __m512i rounded = round_bf16(_mm512_castps_si512(v));
+    const __m512 back = _mm512_castsi512_ps(rounded);
+    const __m512 parts[3] = {v, _mm512_sub_ps(v, back), back};
+    for (int q = 0; q < 3; ++q) {
+      const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(parts[q]));
+      const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(parts[q]), 1)));
+      sums[q][0] = _mm512_fmadd_pd(lo, lo, sums[q][0]);
+      sums[q][1] = _mm512_fmadd_pd(hi, hi, sums[q][1]);
+    }
+    return rounded;
+  }
+  void lanes(int q, double* out) const {
+    _mm512_storeu_pd(out, sums[q][0]);
+    _mm512_storeu_pd(out + 8, sums[q][1]);
+  }
+  double total(int q) const { return _mm512_reduce_add_pd(_mm512_add_pd(sums[q][0], sums[q][1])); }
+};
+
 // out[r][0..63] = x~[r] . w~[c] for MR rows and the 64 columns of one block: the block's pair p of K holds, for
 // each column c, (w~[c, 2p], w~[c, 2p + 1]) at w + p * 128 + 2c; x's pairs are 32-bit words.
 template <int MR>
@@ -108,32 +133,17 @@ std::tuple<at::Tensor, at::Tensor> pack_bf16_screen(int64_t w_address, int64_t w
       const int64_t ncols = std::min(kBlock, N - blk * kBlock);
       for (int64_t g = 0; g < kBlock / 16; ++g) {  // 16 columns at a time; those past N (and past K) as zeros
         const __mmask16 mask = Wide::mask(ncols - 16 * g);
-        __m512d sums[3][2] = {};  // |w|^2, |w - w~|^2, |w~|^2 of the 16 columns, in double
-        auto add = [&](__m512 v, __m512i rounded) {
-          const __m512 back = _mm512_castsi512_ps(rounded);
-          const __m512 parts[3] = {v, _mm512_sub_ps(v, back), back};  // v - w~ is exact (Sterbenz, or w~ = 0)
-          for (int q = 0; q < 3; ++q) {
-            const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(parts[q]));
-            const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(parts[q]), 1)));
-            sums[q][0] = _mm512_fmadd_pd(lo, lo, sums[q][0]);
-            sums[q][1] = _mm512_fmadd_pd(hi, hi, sums[q][1]);
-          }
-        };
+        SquareSums sums;
         for (int64_t p = 0; p < pairs; ++p) {
           const __m512 even = _mm512_maskz_loadu_ps(mask, block + 2 * p * kBlock + 16 * g);
           const __m512 odd = 2 * p + 1 < K ? _mm512_maskz_loadu_ps(mask, block + (2 * p + 1) * kBlock + 16 * g)
                                            : _mm512_setzero_ps();
-          const __m512i re = round_bf16(_mm512_castps_si512(even)), ro = round_bf16(_mm512_castps_si512(odd));
+          const __m512i re = sums.add(even), ro = sums.add(odd);
           _mm512_storeu_si512(out + p * kBlock + 16 * g,
                               _mm512_or_si512(ro, _mm512_srli_epi32(re, 16)));  // value k even in the low half
-          add(even, re);
-          add(odd, ro);
         }
         double columns[3][16];
-        for (int q = 0; q < 3; ++q) {
-          _mm512_storeu_pd(columns[q], sums[q][0]);
-          _mm512_storeu_pd(columns[q] + 8, sums[q][1]);
-        }
+        for (int q = 0; q < 3; ++q) sums.lanes(q, columns[q]);
         for (int64_t c = 0; c < std::min<int64_t>(16, ncols - 16 * g); ++c) {
           const int64_t row = blk * kBlock + 16 * g + c;
           for (int q = 0; q < 3; ++q) n[q * N + row] = up(std::sqrt(columns[q][c]));
@@ -170,24 +180,16 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
   std::vector<float> c_whole(M), c_error(M), c_rounded(M);
   const double g = static_cast<double>(K) * 0x1p-23 / (1.0 - static_cast<double>(K) * 0x1p-23);
   const double slack = 1.0 + 0x1p-20;
-  std::vector<float> row_rounded(static_cast<size_t>(K));
   for (int64_t r = 0; r < M; ++r) {
     const float* xr = xs + r * ldx;
+    uint16_t* pr = reinterpret_cast<uint16_t*>(xp.data() + r * pairs);  // value k at pr[k]: k even in the low half
+    SquareSums sums;
     for (int64_t k = 0; k < K; k += 16) {
       const __mmask16 mask = Wide::mask(K - k);
-      const __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, xr + k));
-      _mm512_mask_storeu_ps(row_rounded.data() + k, mask, _mm512_castsi512_ps(round_bf16(bits)));
+      const __m512i rounded = sums.add(_mm512_maskz_loadu_ps(mask, xr + k));
+      _mm512_mask_cvtepi32_storeu_epi16(pr + k, mask, _mm512_srli_epi32(rounded, 16));
     }
-    double whole = 0, error = 0, rounded = 0;
-    uint16_t* pr = reinterpret_cast<uint16_t*>(xp.data() + r * pairs);  // value k at pr[k]: k even in the low half
-    for (int64_t k = 0; k < K; ++k) {
-      const float v = xr[k], back = row_rounded[k];
-      uint32_t bits;
-      std::memcpy(&bits, &back, 4);
-      pr[k] = static_cast<uint16_t>(bits >> 16);
-      const double d = static_cast<double>(v) - back;
-      whole += static_cast<double>(v) * v, error += d * d, rounded += static_cast<double>(back) * back;
-    }
+    const double whole = sums.total(0), error = sums.total(1), rounded = sums.total(2);
     if (!std::isfinite(whole) || !std::isfinite(rounded)) return none;
     // B = |x - x~| |w| + |x~| |w - w~| + g (|x~| |w~| + |x| |w|), each factor rounded up.
     c_whole[r] = up((std::sqrt(error) + g * std::sqrt(whole)) * slack);
@@ -240,11 +242,11 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
       for (int v = 0; v * 16 < ncols; ++v) {
         __mmask16 keep = _mm512_mask_cmp_ps_mask(Wide::mask(ncols - 16 * v), highs[v], _mm512_set1_ps(low_best),
                                                  _CMP_GE_OQ);
-        while (keep != 0) {
+        if (keep == 0) continue;
+        float high[16];
+        _mm512_storeu_ps(high, highs[v]);
+        for (; keep != 0; keep &= keep - 1) {
           const int lane = __builtin_ctz(keep);
-          keep &= keep - 1;
-          float high[16];
-          _mm512_storeu_ps(high, highs[v]);
           list.push_back({c0 + 16 * v + lane, high[lane]});
         }
       }
