@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -14,6 +14,7 @@ import torch
 from aioengine import AsyncEngine, EngineConfig
 from aioengine.model import cpu_kernels
 from aioengine.testing import build_checkpoint
+from tests.helpers import torch_threads
 
 pytest_plugins = ["tests.engine_request_support", "tests.weight_swap_support"]
 """Fixtures shared by a group of test modules (request tests; weight-swap tests), defined beside their helpers."""
@@ -86,3 +87,11 @@ def kernel() -> ModuleType:
     module = cpu_kernels.load()
     assert module is not None, "nothing is missing to build the CPU kernels, yet load() failed (see the warning)"
     return module
+
+
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch's thread count for a kernel test, 1 and 2. On 2 threads the row-block GEMM splits the rows of a
+    weight of 9 row blocks in two (the blocks do not share out), and the greedy screen merges two threads' bests."""
+    with torch_threads(request.param):
+        yield request.param

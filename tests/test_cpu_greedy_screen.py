@@ -8,7 +8,7 @@ with the weight and frees it with the packed copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,12 +28,6 @@ def screen_kernel(kernel: ModuleType) -> ModuleType:
     if not hasattr(kernel, "greedy_screen_argmax"):
         pytest.skip("the kernels were built without AVX512-BF16: greedy runs the float32 GEMM's argmax")
     return kernel
-
-
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    with torch_threads(request.param):
-        yield request.param
 
 
 def screened_linear(kernels: Any, out_features: int, in_features: int, gen: torch.Generator) -> Linear:

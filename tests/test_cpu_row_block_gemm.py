@@ -5,7 +5,6 @@ equal to ``F.linear`` at every row count, thread count, stride and bias, and ref
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -21,13 +20,6 @@ def gemm_kernel(kernel: ModuleType) -> ModuleType:
     if not hasattr(kernel, "linear_row_blocks"):
         pytest.skip("the kernels were built without AVX-512 or AVX2: Linear runs oneDNN's GEMM")
     return kernel
-
-
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    """On 2 threads a weight of 9 row blocks splits each block's rows in two (the blocks do not share out)."""
-    with torch_threads(request.param):
-        yield request.param
 
 
 class _Counting:
