@@ -75,7 +75,8 @@ def test_kernel_builds_wherever_its_tools_are_present_and_computes_what_torch_do
     assert kernel.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == [1, 1]  # the first maximum
 
 
-@pytest.mark.parametrize("block_size", [16, 1, 4])
+# Blocks of one register of scores (16), part of one (1, 4) and several (48: three AVX-512 or six AVX2 registers).
+@pytest.mark.parametrize("block_size", [16, 1, 4, 48])
 @pytest.mark.parametrize("dim", [64, 128, 32, 36])  # the two compiled-in head sizes, two taken at run time
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 4), (8, 1), (9, 3)])
 def test_kernel_equals_torch_decode_on_shuffled_blocks(kernel: ModuleType, heads: int, kv_heads: int, dim: int,
