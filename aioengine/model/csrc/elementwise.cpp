@@ -153,7 +153,16 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
       const float* g = xp + t * 2 * I;
       const float* u = g + I;
       float* o = op + t * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+      int64_t i = 0;
+#if defined(AIOENGINE_WIDE)
+      // A register at a time: GCC left the scalar form's exp half vectorised (2.3 G elements/s a core here).
+      for (; i + Wide::kLanes <= I; i += Wide::kLanes) {
+        const Wide::V gv = Wide::load(g + i);
+        const Wide::V e = exp_wide(Wide::sub(Wide::zero(), gv));
+        Wide::store(o + i, Wide::mul(Wide::div(gv, Wide::add(Wide::set1(1.f), e)), Wide::load(u + i)));
+      }
+#endif
+      for (; i < I; ++i) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
     }
   });
   return out;
