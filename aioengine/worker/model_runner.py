@@ -29,12 +29,7 @@ from aioengine.model import cpu_kernels
 from aioengine.model.attention import AttentionMetadata, PrefillChunk, split_decode_rows
 from aioengine.model.hf_config import CheckpointConfig, load_hf_config
 from aioengine.model.layers import use_cpu_kernels
-from aioengine.model.linear import (
-    cpu_prepack_supported,
-    drop_packed_weights,
-    release_plain_weights,
-    set_weight_prepack,
-)
+from aioengine.model.linear import cpu_prepack_supported, drop_packed_weights, release_plain_weights, set_weight_prepack
 from aioengine.model.llama import LlamaForCausalLM, tp_heads
 from aioengine.model.loader import load_model, resolve_dtype, resolve_max_model_len
 from aioengine.model.parallel import SINGLE, TensorParallel

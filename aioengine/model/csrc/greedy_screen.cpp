@@ -110,9 +110,8 @@ std::tuple<at::Tensor, at::Tensor> pack_bf16_screen(int64_t w_address, int64_t w
                                                     int64_t block_stride, const c10::optional<at::Tensor>& into_packed,
                                                     const c10::optional<at::Tensor>& into_norms) {
   const int64_t pairs = (K + 1) / 2, blocks = (N + kBlock - 1) / kBlock;
-  TORCH_CHECK(w_address != 0 && N > 0 && K > 0 && block_stride >= K * kBlock && blocks * block_stride <= w_floats,
-              "pack_bf16_screen: the weight copy (", w_floats, " floats) does not hold ", N, " rows of ", K,
-              " columns in blocks of ", kBlock, " at stride ", block_stride);
+  TORCH_CHECK(K > 0, "pack_bf16_screen: the weight has no columns");
+  check_row_block_copy("pack_bf16_screen", w_address, w_floats, N, K, block_stride);
   // Into the previous copy where it has this shape (a swap's rebuild then touches no fresh pages), else anew.
   const at::TensorOptions options = at::TensorOptions().device(at::kCPU);
   auto fits = [](const c10::optional<at::Tensor>& t, at::IntArrayRef shape, at::ScalarType dtype) {

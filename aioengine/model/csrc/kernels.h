@@ -47,7 +47,11 @@ at::Tensor linear_row_blocks(const at::Tensor& x, int64_t w_address, int64_t w_f
                              int64_t block_stride, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_row_blocks_argmax(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
                                     int64_t block_stride, const c10::optional<at::Tensor>& bias);
-// x's checks for those and greedy_screen_argmax; the bias's floats or null.
+// That W's row-block copy (N rows of K columns in blocks of 64 at block_stride) fits in its w_floats; raises,
+// naming the kernel, where not. Also pack_bf16_screen's check.
+void check_row_block_copy(const char* name, int64_t w_address, int64_t w_floats, int64_t N, int64_t K,
+                          int64_t block_stride);
+// x's checks for those and greedy_screen_argmax, with the copy's; the bias's floats or null.
 const float* checked_row_blocks(const char* name, const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
                                 int64_t block_stride, const c10::optional<at::Tensor>& bias);
 #endif

@@ -173,15 +173,21 @@ inline void block_rows(int64_t mr, const float* x, int64_t ldx, const float* w, 
 // (row r_begin, column c0 of the block, and the stride between rows), `done(blk, r_begin, r_end, dst, ldo)`
 // is called once the task's sums are complete.
 // The bias's floats, or null; raises, naming the kernel, where x, the copy or the bias does not fit.
+void check_row_block_copy(const char* name, int64_t w_address, int64_t w_floats, int64_t N, int64_t K,
+                          int64_t block_stride) {
+  const int64_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
+  TORCH_CHECK(w_address != 0 && N > 0 && block_stride >= K * kGemmBlock && blocks * block_stride <= w_floats, name,
+              ": the weight copy (", w_floats, " floats) does not hold ", N, " rows of ", K, " columns in blocks of ",
+              kGemmBlock, " at stride ", block_stride);
+}
+
 const float* checked_row_blocks(const char* name, const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
                                 int64_t block_stride, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.device().is_cpu(), name,
               ": x must be a [rows, K] float32 CPU tensor with unit column stride");
-  const int64_t K = x.size(1), blocks = (N + kGemmBlock - 1) / kGemmBlock;
+  const int64_t K = x.size(1);
   TORCH_CHECK(K > 0, name, ": x has no columns");
-  TORCH_CHECK(w_address != 0 && N > 0 && block_stride >= K * kGemmBlock && blocks * block_stride <= w_floats, name,
-              ": the weight copy (", w_floats, " floats) does not hold ", N, " rows of ", K, " columns in blocks of ",
-              kGemmBlock, " at stride ", block_stride);
+  check_row_block_copy(name, w_address, w_floats, N, K, block_stride);
   if (!bias.has_value()) return nullptr;
   TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, name,
               ": bias must be a contiguous float32 tensor of ", N, " values");
