@@ -142,6 +142,40 @@ def test_a_layer_whose_linear_is_not_packed_takes_the_module_path(
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
 
 
+def test_a_layers_kernel_arguments_are_made_once_and_again_when_a_weight_moves_or_changes(
+    layer_kernel: ModuleType, runner: ModelRunner
+) -> None:
+    """A layer hands the kernel the arguments it made at its first one-call step until a packed copy is rebuilt
+    elsewhere in memory (then it makes them again); a weight written in place shows through the same copy.
+    Either way the one call computes the module path's logits bit for bit, from the weights as they are now."""
+    assert runner.model is not None
+    layer = runner.model.model.layers[1]
+    linear = layer.mlp.down_proj
+    step = mixed_step(runner)
+    before, _ = forward_both_ways(runner, step)
+    made = layer._one_call_args()
+    assert made is not None and layer._one_call_args() is made  # the step above made them: kept
+
+    held = linear._packed  # alive, so the next copy cannot land in its memory
+    linear.drop_packed()  # the plain weight back, read from the copy; the next pack reorders into new memory
+    moved, taken = forward_both_ways(runner, step)
+    assert taken == [runner.model_info().num_layers, 0]
+    remade = layer._one_call_args()
+    assert remade is not None and remade is not made and linear.row_block_weight() in remade
+    assert torch.equal(moved[0][0], before[0][0])
+    del held
+
+    name = "model.layers.1.mlp.down_proj.weight"  # written as a weight update writes it: into the copy in place
+    param, values = runner.model.get_parameter(name), linear.dense_weight().clone()
+    for src in (values * 1.5, values):
+        assert runner.model.write_weight(name, 0, param, src)
+        runner.model.weight_written(name)
+        changed, taken = forward_both_ways(runner, step)
+        assert taken == [runner.model_info().num_layers, 0] and layer._one_call_args() is remade
+        assert torch.equal(changed[0][0], changed[1][0])
+        assert torch.equal(changed[0][0], before[0][0]) == (src is values)
+
+
 def test_a_step_without_the_attention_kernels_takes_the_module_path(
     layer_kernel: ModuleType, runner: ModelRunner
 ) -> None:

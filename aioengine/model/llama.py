@@ -93,6 +93,21 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out if keep is None else out[keep])
 
 
+@dataclass(frozen=True, slots=True)
+class LayerStep:
+    """What every layer of a step hands ``kernels.decoder_layer`` besides its own weights and cache: made once a
+    step (``LlamaForCausalLM.final_hidden``) where the step's attention has kernels and the rotary is theirs."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None
+    decode_context_lens: torch.Tensor | None
+    prefills: list[tuple[int, int, int, torch.Tensor]]  # (token start, tokens, start position, block ids)
+
+
 class LlamaDecoderLayer(nn.Module):
     one_call: bool = True
     """Whether the layer runs as one call to ``kernels.decoder_layer`` where that applies; off, always module
@@ -106,6 +121,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Plain references (a tuple registers nothing) for _one_call_args, which runs every step of every layer:
+        # a submodule looked up through nn.Module costs about a microsecond.
+        attn = self.self_attn
+        self._one_call_parts = (self.mlp, attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        self._one_call_cache: tuple[tuple[Any, ...], tuple[Any, ...] | None] | None = None
 
     def forward(
         self,
@@ -115,16 +135,17 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         keep: torch.Tensor | None = None,
+        step: LayerStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``: the previous layer's MLP output, not yet added into ``residual`` (the residual stream,
         updated in place); for the first layer the embeddings, with ``residual`` None. Each add is fused
-        into the norm that follows it. Where the C++ kernels cover the whole layer, it is one call to them
-        (``_one_call``), computing what the modules below do.
+        into the norm that follows it. Given ``step`` (the step runs in the C++ kernels) and where they cover
+        the whole layer, it is one call to them (``_one_call``), computing what the modules below do.
 
         With ``keep`` (row indices: the last layer, given the rows that sample) every token still writes its
         K and V, but everything after the attention runs for those rows alone, and both results are theirs
         (the residual stream then a new tensor). Each row's sums are the same either way."""
-        fused = self._one_call(x, residual, positions, kv_cache, meta, keep) if self.one_call else None
+        fused = self._one_call(x, residual, kv_cache, step, keep) if self.one_call and step is not None else None
         if fused is not None:
             return fused
         if residual is None:
@@ -141,68 +162,77 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        step: LayerStep,
         keep: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer as one C++ call: CPU, float32, kernels with the row-block GEMM (AVX-512 or AVX2; it reads
-        every linear's packed copy) and the decode and prefill attention kernels the step uses (no prefill
-        kernel for a head size off 16: such a model's prompt steps stay module by module), one rank, rotary
-        over the whole head.
+        every linear's packed copy) and the attention kernels the step uses (``step``), one rank.
         A decode step otherwise pays Python and torch's dispatch some 40 times a layer. None where it does
         not apply."""
-        attn, mlp = self.self_attn, self.mlp
-        decoder_layer = getattr(mlp.kernels, "decoder_layer", None)
-        rotary = attn.rotary
-        if (
-            decoder_layer is None
-            or x.dtype != torch.float32
-            or x.device.type != "cpu"
-            or not x.is_contiguous()
-            or attn.o_proj.tp.size > 1
-            or (meta.num_decodes and meta.decode_kernel is None)
-            or (meta.prefills and meta.prefill_kernel is None)
-            or not rotary.kernel_covers(attn.head_dim)
-        ):
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
             return None
-        qkv, o = attn.qkv_proj.row_block_weight(), attn.o_proj.row_block_weight()
-        gate_up, down = mlp.gate_up_proj.row_block_weight(), mlp.down_proj.row_block_weight()
-        if qkv is None or o is None or gate_up is None or down is None:
+        args = self._one_call_args()
+        if args is None:
             return None
-        q_norm, k_norm = attn.q_norm, attn.k_norm
+        decoder_layer, scale, *weights = args
         out: tuple[torch.Tensor, torch.Tensor] = decoder_layer(
             x,
             residual,
-            self.input_layernorm.weight,
-            self.input_layernorm.eps,
-            self.post_attention_layernorm.weight,
-            self.post_attention_layernorm.eps,
-            qkv,
-            attn.qkv_proj.bias,
-            o,
-            attn.o_proj.bias,
-            gate_up,
-            down,
-            None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight,
-            0.0 if q_norm is None else q_norm.eps,  # unused without the norms
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.head_dim,
-            positions,
-            rotary.cos_cached,
-            rotary.sin_cached,
+            *weights,
+            step.positions,
+            step.cos,
+            step.sin,
             kv_cache,
-            meta.slot_mapping,
-            meta.num_decodes,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            [(c.token_start, c.num_tokens, c.start_pos, c.block_ids) for c in meta.prefills],
-            attn.scale,
+            step.slot_mapping,
+            step.num_decodes,
+            step.decode_block_tables,
+            step.decode_context_lens,
+            step.prefills,
+            scale,
             keep,
         )
         return out
+
+    def _one_call_args(self) -> tuple[Any, ...] | None:
+        """``(kernels.decoder_layer, the attention's scale, the layer's weights as the kernel takes them)``, or
+        None where a linear's copy is not the row-block GEMM's, the kernels lack the call or heads are split
+        across ranks. Made again whenever a packed copy moved or was rebuilt elsewhere (``row_block_weight``
+        brings each up to its weight first, as every step did before) or the kernels changed; the norms'
+        and biases' parameters are held as objects, which every weight write keeps (it writes their data)."""
+        mlp, qkv, o, gate_up, down = self._one_call_parts
+        key = (mlp.kernels, qkv.row_block_weight(), o.row_block_weight(), gate_up.row_block_weight(),
+               down.row_block_weight())  # fmt: skip
+        cached = self._one_call_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        decoder_layer = getattr(mlp.kernels, "decoder_layer", None)
+        attn = self.self_attn
+        args: tuple[Any, ...] | None = None
+        if decoder_layer is not None and attn.o_proj.tp.size == 1 and None not in key[1:]:
+            q_norm, k_norm = attn.q_norm, attn.k_norm
+            args = (
+                decoder_layer,
+                attn.scale,
+                self.input_layernorm.weight,
+                self.input_layernorm.eps,
+                self.post_attention_layernorm.weight,
+                self.post_attention_layernorm.eps,
+                key[1],
+                attn.qkv_proj.bias,
+                key[2],
+                attn.o_proj.bias,
+                key[3],
+                key[4],
+                None if q_norm is None else q_norm.weight,
+                None if k_norm is None else k_norm.weight,
+                0.0 if q_norm is None else q_norm.eps,  # unused without the norms
+                attn.num_heads,
+                attn.num_kv_heads,
+                attn.head_dim,
+            )
+        self._one_call_cache = (key, args)
+        return args
 
 
 class LlamaModel(nn.Module):
@@ -307,12 +337,36 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         keep = logits_indices if logits_indices.shape[0] < input_ids.shape[0] else None
         x, residual = self.model.embed_tokens(input_ids), None
+        step = self._layer_step(positions, meta)
+        last = len(layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
-            x, residual = layer(x, residual, positions, kv_cache, meta, keep if i == len(layers) - 1 else None)
+            x, residual = layer(x, residual, positions, kv_cache, meta, keep if i == last else None, step)
         assert residual is not None
         if keep is None:  # the last add and the norm are per token: only the rows that sample
             x, residual = x[logits_indices], residual[logits_indices]
         return self.model.norm.add_and_norm(x, residual)
+
+    def _layer_step(self, positions: torch.Tensor, meta: AttentionMetadata) -> LayerStep | None:
+        """The step's ``LayerStep`` where its attention runs in the C++ kernels (a decode kernel for decode rows,
+        a prefill kernel for prompt chunks: none for a head size off 16) and so does the rotary (over the
+        whole head); else None, and every layer runs module by module."""
+        rotary = self.model.rotary_emb
+        if (
+            (meta.num_decodes and meta.decode_kernel is None)
+            or (meta.prefills and meta.prefill_kernel is None)
+            or not rotary.kernel_covers(head_dim_of(self.config))
+        ):
+            return None
+        return LayerStep(
+            positions,
+            rotary.cos_cached,
+            rotary.sin_cached,
+            meta.slot_mapping,
+            meta.num_decodes,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            [(c.token_start, c.num_tokens, c.start_pos, c.block_ids) for c in meta.prefills],
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head over ``final_hidden``'s rows: [S, V] float32 (gathered from every rank)."""
