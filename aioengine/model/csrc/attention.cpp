@@ -147,17 +147,20 @@ void paged_decode_attention_impl(const float* qp, int64_t q_row, const float* kp
   const int64_t lines_per_token = (heads_per_task * D + 15) / 16;  // a task's keys of one token, in cache lines
   // Each head's scores padded to whole registers (block_softmax reads them so).
   const int64_t score_slot = (bs + 15) / 16 * 16, hq_count = heads_per_task * G;
-  const int64_t per_thread = hq_count * (score_slot + 2 + D);
-  std::vector<float> scratch(static_cast<size_t>(at::get_num_threads() * per_thread));
+  // Each part of a thread's scratch starts on a 64-byte line, so do the scores of each head and (D a multiple of
+  // 16) its accumulators.
+  const int64_t stat_slot = (hq_count + 15) / 16 * 16;
+  const int64_t per_thread = (hq_count * (score_slot + D) + 2 * stat_slot + 15) / 16 * 16;
+  const at::Tensor scratch = scratch_floats(at::get_num_threads() * per_thread);
   // Where block j of task t's row begins in K (and in V), at the task's first KV head.
   auto block_base = [&](int64_t t, int64_t j) {
     return bt[(t / tasks_per_row) * W + j] * bs * token_stride + (t % tasks_per_row) * heads_per_task * D;
   };
   parallel_tasks(B * tasks_per_row, [&](int64_t task, int64_t end) {
-    float* const scores = scratch.data() + at::get_thread_num() * per_thread;  // this thread's
+    float* const scores = scratch.data_ptr<float>() + at::get_thread_num() * per_thread;  // this thread's
     float* const running_max = scores + hq_count * score_slot;
-    float* const running_sum = running_max + hq_count;
-    float* const acc = running_sum + hq_count;
+    float* const running_sum = running_max + stat_slot;
+    float* const acc = running_sum + stat_slot;
     const int64_t b = task / tasks_per_row, h0 = (task % tasks_per_row) * heads_per_task, L = cl[b];
     const float* qb = qp + b * q_row + h0 * G * D;  // the task's query heads, hq_count of them
     std::fill(running_max, running_max + hq_count, -std::numeric_limits<float>::infinity());

@@ -305,13 +305,14 @@ at::Tensor linear_row_blocks_argmax(const at::Tensor& x, int64_t w_address, int6
       checked_row_blocks("linear_row_blocks_argmax", x, w_address, w_floats, N, block_stride, bias);
   const int64_t M = x.size(0), threads = at::get_num_threads();
   const int64_t task_rows = std::min<int64_t>(M, kChunkRows);  // the most rows a task has
-  std::vector<float> buffers(static_cast<size_t>(threads * task_rows * kGemmBlock));
+  const at::Tensor buffers = scratch_floats(threads * task_rows * kGemmBlock);
   std::vector<float> best(static_cast<size_t>(threads * M), -std::numeric_limits<float>::infinity());
   std::vector<int64_t> at(static_cast<size_t>(threads * M), -1);
   row_block_gemm(
       x, w_address, N, block_stride, bias_floats,
       [&](int64_t, int64_t, int64_t) {
-        return std::pair<float*, int64_t>(buffers.data() + at::get_thread_num() * task_rows * kGemmBlock, kGemmBlock);
+        float* buffer = buffers.data_ptr<float>() + at::get_thread_num() * task_rows * kGemmBlock;
+        return std::pair<float*, int64_t>(buffer, kGemmBlock);
       },
       [&](int64_t blk, int64_t r_begin, int64_t r_end, const float* dst, int64_t ldo) {
         const int64_t c0 = blk * kGemmBlock, ncols = std::min(kGemmBlock, N - c0), thread = at::get_thread_num();
