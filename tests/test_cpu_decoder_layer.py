@@ -146,8 +146,9 @@ def test_a_layers_kernel_arguments_are_made_once_and_again_when_a_weight_moves_o
     layer_kernel: ModuleType, runner: ModelRunner
 ) -> None:
     """A layer hands the kernel the arguments it made at its first one-call step until a packed copy is rebuilt
-    elsewhere in memory (then it makes them again); a weight written in place shows through the same copy.
-    Either way the one call computes the module path's logits bit for bit, from the weights as they are now."""
+    elsewhere in memory or a norm's parameter is set anew (then it makes them again); a weight written in place
+    shows through the same copy. Each time the one call computes the module path's logits bit for bit, from the
+    weights as they are now."""
     assert runner.model is not None
     layer = runner.model.model.layers[1]
     linear = layer.mlp.down_proj
@@ -174,6 +175,16 @@ def test_a_layers_kernel_arguments_are_made_once_and_again_when_a_weight_moves_o
         assert taken == [runner.model_info().num_layers, 0] and layer._one_call_args() is remade
         assert torch.equal(changed[0][0], changed[1][0])
         assert torch.equal(changed[0][0], before[0][0]) == (src is values)
+
+    norm = layer.post_attention_layernorm
+    kept = norm.weight
+    try:
+        norm.weight = torch.nn.Parameter(kept.detach() * 1.25, requires_grad=False)  # a new object: made again
+        renormed, taken = forward_both_ways(runner, step)
+        assert taken == [runner.model_info().num_layers, 0]
+        assert torch.equal(renormed[0][0], renormed[1][0]) and not torch.equal(renormed[0][0], before[0][0])
+    finally:
+        norm.weight = kept
 
 
 def test_a_step_without_the_attention_kernels_takes_the_module_path(

@@ -125,6 +125,16 @@ class LlamaDecoderLayer(nn.Module):
         # a submodule looked up through nn.Module costs about a microsecond.
         attn = self.self_attn
         self._one_call_parts = (self.mlp, attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        # Where the kernel's other parameters live: a parameter set anew on its module replaces the entry here.
+        owned = [
+            (self.input_layernorm, "weight"),
+            (self.post_attention_layernorm, "weight"),
+            (attn.qkv_proj, "bias"),
+            (attn.o_proj, "bias"),
+            (attn.q_norm, "weight"),
+            (attn.k_norm, "weight"),
+        ]
+        self._one_call_params = [(m._parameters, name) for m, name in owned if m is not None]
         self._one_call_cache: tuple[tuple[Any, ...], tuple[Any, ...] | None] | None = None
 
     def forward(
@@ -198,18 +208,21 @@ class LlamaDecoderLayer(nn.Module):
         """``(kernels.decoder_layer, the attention's scale, the layer's weights as the kernel takes them)``, or
         None where a linear's copy is not the row-block GEMM's, the kernels lack the call or heads are split
         across ranks. Made again whenever a packed copy moved or was rebuilt elsewhere (``row_block_weight``
-        brings each up to its weight first, as every step did before) or the kernels changed; the norms'
-        and biases' parameters are held as objects, which every weight write keeps (it writes their data)."""
+        brings each up to its weight first, as every step did before), the kernels changed or a norm's or
+        bias's parameter was set anew (weight writes keep the objects and write their data, which the
+        kernel then reads)."""
         mlp, qkv, o, gate_up, down = self._one_call_parts
-        key = (mlp.kernels, qkv.row_block_weight(), o.row_block_weight(), gate_up.row_block_weight(),
-               down.row_block_weight())  # fmt: skip
+        copies = (qkv.row_block_weight(), o.row_block_weight(), gate_up.row_block_weight(), down.row_block_weight())
+        # The parameters by identity (tuples compare their items with ==, which a tensor answers elementwise);
+        # the arguments hold the objects, so no other can take an id meanwhile.
+        key = (mlp.kernels, copies, [id(params.get(name)) for params, name in self._one_call_params])
         cached = self._one_call_cache
         if cached is not None and cached[0] == key:
             return cached[1]
         decoder_layer = getattr(mlp.kernels, "decoder_layer", None)
         attn = self.self_attn
         args: tuple[Any, ...] | None = None
-        if decoder_layer is not None and attn.o_proj.tp.size == 1 and None not in key[1:]:
+        if decoder_layer is not None and attn.o_proj.tp.size == 1 and None not in copies:
             q_norm, k_norm = attn.q_norm, attn.k_norm
             args = (
                 decoder_layer,
@@ -218,12 +231,12 @@ class LlamaDecoderLayer(nn.Module):
                 self.input_layernorm.eps,
                 self.post_attention_layernorm.weight,
                 self.post_attention_layernorm.eps,
-                key[1],
+                copies[0],
                 attn.qkv_proj.bias,
-                key[2],
+                copies[1],
                 attn.o_proj.bias,
-                key[3],
-                key[4],
+                copies[2],
+                copies[3],
                 None if q_norm is None else q_norm.weight,
                 None if k_norm is None else k_norm.weight,
                 0.0 if q_norm is None else q_norm.eps,  # unused without the norms
