@@ -151,13 +151,13 @@ void paged_decode_attention_impl(const float* qp, int64_t q_row, const float* kp
   // 16) its accumulators.
   const int64_t stat_slot = (hq_count + 15) / 16 * 16;
   const int64_t per_thread = (hq_count * (score_slot + D) + 2 * stat_slot + 15) / 16 * 16;
-  const at::Tensor scratch = scratch_floats(at::get_num_threads() * per_thread);
+  const ScratchFloats scratch(at::get_num_threads() * per_thread);
   // Where block j of task t's row begins in K (and in V), at the task's first KV head.
   auto block_base = [&](int64_t t, int64_t j) {
     return bt[(t / tasks_per_row) * W + j] * bs * token_stride + (t % tasks_per_row) * heads_per_task * D;
   };
   parallel_tasks(B * tasks_per_row, [&](int64_t task, int64_t end) {
-    float* const scores = scratch.data_ptr<float>() + at::get_thread_num() * per_thread;  // this thread's
+    float* const scores = scratch.data + at::get_thread_num() * per_thread;  // this thread's
     float* const running_max = scores + hq_count * score_slot;
     float* const running_sum = running_max + stat_slot;
     float* const acc = running_sum + stat_slot;

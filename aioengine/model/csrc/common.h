@@ -157,10 +157,15 @@ inline __m256i lanes_below(int64_t n) {
 }
 #endif
 
-// Scratch floats, uninitialised, on a 64-byte boundary (torch's CPU allocator): a line and an AVX-512 register.
+// n scratch floats, uninitialised, on a 64-byte boundary (torch's CPU allocator): a line and an AVX-512 register.
 // A std::vector's memory is aligned to 16 bytes only, and then three of four 64-byte loads from it straddle two
 // lines; which happens varies from process to process with the heap's state.
-inline at::Tensor scratch_floats(int64_t n) { return at::empty({n}, at::TensorOptions().dtype(at::kFloat)); }
+struct ScratchFloats {
+  explicit ScratchFloats(int64_t n)
+      : owner(at::empty({n}, at::TensorOptions().dtype(at::kFloat))), data(owner.data_ptr<float>()) {}
+  at::Tensor owner;  // holds the memory
+  float* data;
+};
 
 // The widest float register the build has, for kernels written once for both: 16 lanes (AVX-512, 32 registers)
 // or 8 (AVX2 with FMA, 16 registers).

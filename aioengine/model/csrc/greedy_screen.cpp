@@ -203,14 +203,14 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
   const float absolute = static_cast<float>(K) * 0x1p-120f, relative = 0x1p-20f;
 
   const int64_t threads = at::get_num_threads();
-  const at::Tensor tiles = scratch_floats(threads * M * kBlock);
+  const ScratchFloats tiles(threads * M * kBlock);
   std::vector<float> lows(static_cast<size_t>(threads * M), -std::numeric_limits<float>::infinity());
   std::vector<std::vector<Candidate>> found(static_cast<size_t>(threads * M));
   const uint16_t* wb = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
   std::atomic<bool> unbounded{false};
   parallel_tasks(blocks, [&](int64_t blk, int64_t) {
     const int64_t thread = at::get_thread_num(), c0 = blk * kBlock, ncols = std::min(kBlock, N - c0);
-    float* out = tiles.data_ptr<float>() + thread * M * kBlock;
+    float* out = tiles.data + thread * M * kBlock;
     const int64_t row_tiles = (M + kTileRows - 1) / kTileRows;
     for (int64_t t = 0, r = 0; t < row_tiles; ++t) {
       const int64_t mr = (M - r + (row_tiles - t) - 1) / (row_tiles - t);

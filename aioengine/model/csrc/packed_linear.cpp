@@ -159,6 +159,15 @@ inline void block_rows(int64_t mr, const float* x, int64_t ldx, const float* w, 
   }
 }
 
+// That W's row-block copy fits in its w_floats (kernels.h); raises, naming the kernel, where not.
+void check_row_block_copy(const char* name, int64_t w_address, int64_t w_floats, int64_t N, int64_t K,
+                          int64_t block_stride) {
+  const int64_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
+  TORCH_CHECK(w_address != 0 && N > 0 && block_stride >= K * kGemmBlock && blocks * block_stride <= w_floats, name,
+              ": the weight copy (", w_floats, " floats) does not hold ", N, " rows of ", K, " columns in blocks of ",
+              kGemmBlock, " at stride ", block_stride);
+}
+
 // The checks and the work split of the row-block GEMM: x [M, K] @ W.T (+ bias) with W [N, K] read from its
 // oneDNN-reordered copy in the row-block layout of pack_rows with a block of 64 (what oneDNN picks here for
 // batches of 64 rows or more; the caller checks with row_blocks_equal). For few rows oneDNN's GEMM reaches
@@ -173,14 +182,6 @@ inline void block_rows(int64_t mr, const float* x, int64_t ldx, const float* w, 
 // (row r_begin, column c0 of the block, and the stride between rows), `done(blk, r_begin, r_end, dst, ldo)`
 // is called once the task's sums are complete.
 // The bias's floats, or null; raises, naming the kernel, where x, the copy or the bias does not fit.
-void check_row_block_copy(const char* name, int64_t w_address, int64_t w_floats, int64_t N, int64_t K,
-                          int64_t block_stride) {
-  const int64_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
-  TORCH_CHECK(w_address != 0 && N > 0 && block_stride >= K * kGemmBlock && blocks * block_stride <= w_floats, name,
-              ": the weight copy (", w_floats, " floats) does not hold ", N, " rows of ", K, " columns in blocks of ",
-              kGemmBlock, " at stride ", block_stride);
-}
-
 const float* checked_row_blocks(const char* name, const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
                                 int64_t block_stride, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.device().is_cpu(), name,
@@ -305,14 +306,13 @@ at::Tensor linear_row_blocks_argmax(const at::Tensor& x, int64_t w_address, int6
       checked_row_blocks("linear_row_blocks_argmax", x, w_address, w_floats, N, block_stride, bias);
   const int64_t M = x.size(0), threads = at::get_num_threads();
   const int64_t task_rows = std::min<int64_t>(M, kChunkRows);  // the most rows a task has
-  const at::Tensor buffers = scratch_floats(threads * task_rows * kGemmBlock);
+  const ScratchFloats buffers(threads * task_rows * kGemmBlock);
   std::vector<float> best(static_cast<size_t>(threads * M), -std::numeric_limits<float>::infinity());
   std::vector<int64_t> at(static_cast<size_t>(threads * M), -1);
   row_block_gemm(
       x, w_address, N, block_stride, bias_floats,
       [&](int64_t, int64_t, int64_t) {
-        float* buffer = buffers.data_ptr<float>() + at::get_thread_num() * task_rows * kGemmBlock;
-        return std::pair<float*, int64_t>(buffer, kGemmBlock);
+        return std::pair<float*, int64_t>(buffers.data + at::get_thread_num() * task_rows * kGemmBlock, kGemmBlock);
       },
       [&](int64_t blk, int64_t r_begin, int64_t r_end, const float* dst, int64_t ldo) {
         const int64_t c0 = blk * kGemmBlock, ncols = std::min(kGemmBlock, N - c0), thread = at::get_thread_num();

@@ -155,11 +155,11 @@ void prefill_impl(const float* q, int64_t q_row, int64_t q_head, const float* kp
   // Every KV head's keys transposed chunk by chunk, [g][Lp / kKeys][d][kKeys] (zero past L): a chunk's keys are
   // then one run of memory, kScoreVectors registers per d. (Transposed whole, [g][d][Lp], a chunk's rows sat Lp
   // floats apart, a power of two as often as not, and in a handful of the L1 cache's sets.)
-  const at::Tensor kt = scratch_floats(Hkv * D * Lp);  // every element written below
+  const ScratchFloats kt(Hkv * D * Lp);  // every element written below
   at::parallel_for(0, Hkv * (Lp / kKeys), 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task / (Lp / kKeys), c0 = (task % (Lp / kKeys)) * kKeys;
-      float* dst = kt.data_ptr<float>() + g * D * Lp + c0 * D;
+      float* dst = kt.data + g * D * Lp + c0 * D;
       for (int64_t t = c0; t < c0 + kKeys; ++t) {
         const float* k = kp + slots[std::min(t, L - 1)] + g * D;
         for (int64_t d = 0; d < D; ++d) dst[d * kKeys + (t - c0)] = t < L ? k[d] : 0.f;
@@ -167,14 +167,13 @@ void prefill_impl(const float* q, int64_t q_row, int64_t q_head, const float* kp
     }
   });
   const int64_t tiles = (n + kRows - 1) / kRows;
-  const at::Tensor acc = scratch_floats(at::get_num_threads() * kRows * D);
-  const float* keys = kt.data_ptr<float>();
+  const ScratchFloats acc(at::get_num_threads() * kRows * D);
   parallel_tasks(H * tiles, [&](int64_t task, int64_t) {
     const int64_t h = task / tiles, tile = task % tiles, g = h / G;
     const int64_t i0 = tile * kRows, rows = std::min<int64_t>(kRows, n - i0);
-    float* thread_acc = acc.data_ptr<float>() + at::get_thread_num() * kRows * D;
-    kPrefillTiles[rows - 1](q + i0 * q_row + h * q_head, q_row, keys + g * D * Lp, vp + g * D, slots.data(), D,
-                            start + i0, scale, thread_acc, out + (i0 * H + h) * D, H * D);
+    kPrefillTiles[rows - 1](q + i0 * q_row + h * q_head, q_row, kt.data + g * D * Lp, vp + g * D, slots.data(), D,
+                            start + i0, scale, acc.data + at::get_thread_num() * kRows * D, out + (i0 * H + h) * D,
+                            H * D);
   });
 }
 
