@@ -1,8 +1,9 @@
-"""Specification of the one-call decoder layer (``kernels.decoder_layer``, builds with the row-block GEMM): a
-layer run as one C++ call computes what its modules compute one by one, the same kernels in the same order, so
-the logits and the KV cache it writes are bitwise the ones of the module path, for every architecture's
+"""Specification of the one-call decoder layers (``kernels.decoder_layers``, builds with the row-block GEMM): the
+layers run as one C++ call compute what their modules compute one by one, the same kernels in the same order, so
+the logits and the KV cache they write are bitwise the ones of the module path, for every architecture's
 differences (Qwen2's qkv bias, Qwen3's q/k norms), mixed steps of decodes and prefill chunks, and padded tokens.
-Where it does not apply (a linear not packed, no attention kernel for the step) the layer takes the module path.
+Where it does not apply (a linear not packed, no attention kernel for the step) a layer takes the module path, and
+the layers before and after it still run as one call each side.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from aioengine.messages import KVCacheConfig, ScheduledRequest, SchedulerOutput
-from aioengine.model.llama import LlamaDecoderLayer
+from aioengine.model.llama import LayerRun, LlamaDecoderLayer, LlamaForCausalLM
 from aioengine.testing import build_checkpoint
 from aioengine.worker.cpu_worker import CPUWorker
 from aioengine.worker.model_runner import ModelRunner
@@ -28,8 +29,8 @@ chunk continuing at position 20 and one from 0 (prepare_inputs puts decodes firs
 
 @pytest.fixture(scope="module")
 def layer_kernel(kernel: ModuleType) -> ModuleType:
-    if not hasattr(kernel, "decoder_layer"):
-        pytest.skip("the kernels were built without decoder_layer (AVX-512 and AVX2 builds have it)")
+    if not hasattr(kernel, "decoder_layers"):
+        pytest.skip("the kernels were built without decoder_layers (AVX-512 and AVX2 builds have it)")
     return kernel
 
 
@@ -58,22 +59,21 @@ def mixed_step(runner: ModelRunner, shapes: list[tuple[int, int]] = SHAPES) -> t
 
 
 def forward_both_ways(runner: ModelRunner, step: tuple) -> tuple[list[tuple[torch.Tensor, list]], list[int]]:
-    """(logits, caches) of the step with the one-call layer and with the module path, from the same random caches;
-    and how many layers ran as one call each time."""
+    """(logits, caches) of the step with the one-call layers and with the module path, from the same random
+    caches; and how many layers ran in one-call runs each time."""
     assert runner.model is not None and runner.cache_engine is not None
     gen = torch.Generator().manual_seed(11)
     start = [torch.randn(c.shape, generator=gen) for c in runner.cache_engine.device_cache]
     taken: list[int] = []
     results = []
-    one_call = LlamaDecoderLayer._one_call
+    one_call = LlamaForCausalLM._one_call
 
-    def counted(self: LlamaDecoderLayer, *args: object) -> object:
-        out = one_call(self, *args)  # type: ignore[arg-type]
-        taken[-1] += out is not None
-        return out
+    def counted(self: LlamaForCausalLM, run: LayerRun, *args: object) -> object:
+        taken[-1] += len(run.stack)
+        return one_call(self, run, *args)  # type: ignore[arg-type]
 
     try:
-        LlamaDecoderLayer._one_call = counted  # type: ignore[method-assign,assignment]
+        LlamaForCausalLM._one_call = counted  # type: ignore[method-assign,assignment]
         for flag in (True, False):
             LlamaDecoderLayer.one_call = flag
             caches = [c.clone() for c in start]
@@ -82,7 +82,7 @@ def forward_both_ways(runner: ModelRunner, step: tuple) -> tuple[list[tuple[torc
                 logits = runner.model(step[0], step[1], caches, step[2], step[3])
             results.append((logits, caches))
     finally:
-        LlamaDecoderLayer._one_call = one_call  # type: ignore[method-assign]
+        LlamaForCausalLM._one_call = one_call  # type: ignore[method-assign]
         LlamaDecoderLayer.one_call = True
     return results, taken
 
@@ -136,8 +136,10 @@ def test_a_layer_whose_linear_is_not_packed_takes_the_module_path(
     linear._row_blocks = None  # a copy not in the row-block layout: oneDNN's GEMM reads it
     try:
         results, taken = forward_both_ways(runner, mixed_step(runner))
+        runs = [(run.first, run.end, run.stack is not None) for run in runner.model._layer_runs()]
     finally:
         linear._row_blocks = row_blocks
+    assert runs == [(0, 1, True), (1, 2, False), (2, 3, True)]
     assert taken == [runner.model_info().num_layers - 1, 0]
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
 
@@ -154,8 +156,9 @@ def test_a_layers_kernel_arguments_are_made_once_and_again_when_a_weight_moves_o
     linear = layer.mlp.down_proj
     step = mixed_step(runner)
     before, _ = forward_both_ways(runner, step)
-    made = layer._one_call_args()
+    made, runs = layer._one_call_args(), runner.model._layer_runs()
     assert made is not None and layer._one_call_args() is made  # the step above made them: kept
+    assert runner.model._layer_runs() is runs and [len(run.stack) for run in runs] == [3]  # and the stack of them
 
     held = linear._packed  # alive, so the next copy cannot land in its memory
     linear.drop_packed()  # the plain weight back, read from the copy; the next pack reorders into new memory
@@ -163,6 +166,7 @@ def test_a_layers_kernel_arguments_are_made_once_and_again_when_a_weight_moves_o
     assert taken == [runner.model_info().num_layers, 0]
     remade = layer._one_call_args()
     assert remade is not None and remade is not made and linear.row_block_weight() in remade
+    assert runner.model._layer_runs() is not runs  # a new stack holds the new copy
     assert torch.equal(moved[0][0], before[0][0])
     del held
 

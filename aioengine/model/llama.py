@@ -95,7 +95,7 @@ class LlamaAttention(nn.Module):
 
 @dataclass(frozen=True, slots=True)
 class LayerStep:
-    """What every layer of a step hands ``kernels.decoder_layer`` besides its own weights and cache: made once a
+    """What every layer of a step hands ``kernels.decoder_layers`` besides its own weights and cache: made once a
     step (``LlamaForCausalLM.final_hidden``) where the step's attention has kernels and the rotary is theirs."""
 
     positions: torch.Tensor
@@ -108,10 +108,21 @@ class LayerStep:
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (token start, tokens, start position, block ids)
 
 
+@dataclass(frozen=True, slots=True)
+class LayerRun:
+    """Layers ``[first, end)`` of a model, run as one C++ call where ``stack`` (a ``kernels.LayerStack`` of their
+    arguments) is set, else module by module."""
+
+    first: int
+    end: int
+    kernels: Any = None
+    stack: Any = None
+
+
 class LlamaDecoderLayer(nn.Module):
     one_call: bool = True
-    """Whether the layer runs as one call to ``kernels.decoder_layer`` where that applies; off, always module
-    by module (the reference it is tested against)."""
+    """Whether the layer runs in ``kernels.decoder_layers`` where that applies (``LlamaForCausalLM._one_call``);
+    off, always module by module (the reference it is tested against)."""
 
     def __init__(
         self, cfg: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel
@@ -145,19 +156,15 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         keep: torch.Tensor | None = None,
-        step: LayerStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``: the previous layer's MLP output, not yet added into ``residual`` (the residual stream,
         updated in place); for the first layer the embeddings, with ``residual`` None. Each add is fused
-        into the norm that follows it. Given ``step`` (the step runs in the C++ kernels) and where they cover
-        the whole layer, it is one call to them (``_one_call``), computing what the modules below do.
+        into the norm that follows it. Where the C++ kernels cover the whole layer the model runs it there
+        instead (``LlamaForCausalLM._one_call``), computing what the modules below do.
 
         With ``keep`` (row indices: the last layer, given the rows that sample) every token still writes its
         K and V, but everything after the attention runs for those rows alone, and both results are theirs
         (the residual stream then a new tensor). Each row's sums are the same either way."""
-        fused = self._one_call(x, residual, kv_cache, step, keep) if self.one_call and step is not None else None
-        if fused is not None:
-            return fused
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -168,49 +175,13 @@ class LlamaDecoderLayer(nn.Module):
         h = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
 
-    def _one_call(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        step: LayerStep,
-        keep: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The layer as one C++ call: CPU, float32, kernels with the row-block GEMM (AVX-512 or AVX2; it reads
-        every linear's packed copy) and the attention kernels the step uses (``step``), one rank.
-        A decode step otherwise pays Python and torch's dispatch some 40 times a layer. None where it does
-        not apply."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
-            return None
-        args = self._one_call_args()
-        if args is None:
-            return None
-        decoder_layer, scale, *weights = args
-        out: tuple[torch.Tensor, torch.Tensor] = decoder_layer(
-            x,
-            residual,
-            *weights,
-            step.positions,
-            step.cos,
-            step.sin,
-            kv_cache,
-            step.slot_mapping,
-            step.num_decodes,
-            step.decode_block_tables,
-            step.decode_context_lens,
-            step.prefills,
-            scale,
-            keep,
-        )
-        return out
-
     def _one_call_args(self) -> tuple[Any, ...] | None:
-        """``(kernels.decoder_layer, the attention's scale, the layer's weights as the kernel takes them)``, or
-        None where a linear's copy is not the row-block GEMM's, the kernels lack the call or heads are split
-        across ranks. Made again whenever a packed copy moved or was rebuilt elsewhere (``row_block_weight``
-        brings each up to its weight first, as every step did before), the kernels changed or a norm's or
-        bias's parameter was set anew (weight writes keep the objects and write their data, which the
-        kernel then reads)."""
+        """The layer's arguments to ``kernels.decoder_layers`` (its norms, packed copies, biases, head counts and
+        the attention's scale: a ``LayerStack`` entry), or None where a linear's copy is not the row-block
+        GEMM's, the kernels lack the call or heads are split across ranks. Made again whenever a packed copy
+        moved or was rebuilt elsewhere (``row_block_weight`` brings each up to its weight first, as every step
+        did before), the kernels changed or a norm's or bias's parameter was set anew (weight writes keep the
+        objects and write their data, which the kernel then reads)."""
         mlp, qkv, o, gate_up, down = self._one_call_parts
         copies = (qkv.row_block_weight(), o.row_block_weight(), gate_up.row_block_weight(), down.row_block_weight())
         # The parameters by identity (tuples compare their items with ==, which a tensor answers elementwise);
@@ -219,14 +190,11 @@ class LlamaDecoderLayer(nn.Module):
         cached = self._one_call_cache
         if cached is not None and cached[0] == key:
             return cached[1]
-        decoder_layer = getattr(mlp.kernels, "decoder_layer", None)
         attn = self.self_attn
         args: tuple[Any, ...] | None = None
-        if decoder_layer is not None and attn.o_proj.tp.size == 1 and None not in copies:
+        if hasattr(mlp.kernels, "decoder_layers") and attn.o_proj.tp.size == 1 and None not in copies:
             q_norm, k_norm = attn.q_norm, attn.k_norm
             args = (
-                decoder_layer,
-                attn.scale,
                 self.input_layernorm.weight,
                 self.input_layernorm.eps,
                 self.post_attention_layernorm.weight,
@@ -243,6 +211,7 @@ class LlamaDecoderLayer(nn.Module):
                 attn.num_heads,
                 attn.num_kv_heads,
                 attn.head_dim,
+                attn.scale,
             )
         self._one_call_cache = (key, args)
         return args
@@ -286,6 +255,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, self.model.embed_tokens.rows, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # _layer_runs's: the layers' one-call arguments it last saw, and the runs it made of them.
+        self._runs: tuple[list[tuple[Any, ...] | None], list[LayerRun]] | None = None
 
     def weights_changed(self) -> None:
         """Call after writing parameters in place by any means other than ``WeightPlan`` (which calls it):
@@ -348,16 +319,80 @@ class LlamaForCausalLM(nn.Module):
         the other tokens need nothing from it but their K and V. A model of 8 layers saves an eighth of a
         prompt's GEMMs. The rows it keeps are summed as they would be among all the others."""
         layers = self.model.layers
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} layers")
         keep = logits_indices if logits_indices.shape[0] < input_ids.shape[0] else None
         x, residual = self.model.embed_tokens(input_ids), None
         step = self._layer_step(positions, meta)
-        last = len(layers) - 1
-        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
-            x, residual = layer(x, residual, positions, kv_cache, meta, keep if i == last else None, step)
+        on_kernels = step is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+        for run in self._layer_runs() if on_kernels else [LayerRun(0, len(layers))]:
+            run_keep = keep if run.end == len(layers) else None
+            if run.stack is not None:
+                assert step is not None
+                x, residual = self._one_call(run, x, residual, kv_caches[run.first : run.end], step, run_keep)
+                continue
+            for i in range(run.first, run.end):
+                last_keep = run_keep if i == run.end - 1 else None
+                x, residual = layers[i](x, residual, positions, kv_caches[i], meta, last_keep)
         assert residual is not None
         if keep is None:  # the last add and the norm are per token: only the rows that sample
             x, residual = x[logits_indices], residual[logits_indices]
         return self.model.norm.add_and_norm(x, residual)
+
+    def _layer_runs(self) -> list[LayerRun]:
+        """The layers in order as runs: consecutive layers that each take the one call
+        (``LlamaDecoderLayer._one_call_args``) on the same kernels are one run with a ``kernels.LayerStack`` of
+        their arguments, a layer that does not is a run of its own, module by module. Kept while every layer
+        hands the same arguments (a layer makes them again when a packed copy moved or a parameter was set
+        anew)."""
+        layers = cast(list[LlamaDecoderLayer], self.model.layers)
+        args = [layer._one_call_args() if layer.one_call else None for layer in layers]
+        if self._runs is not None and all(a is b for a, b in zip(self._runs[0], args, strict=True)):
+            return self._runs[1]
+        runs: list[LayerRun] = []
+        first = 0
+        while first < len(args):
+            end = first + 1
+            if args[first] is None:
+                runs.append(LayerRun(first, end))
+            else:
+                kernels: Any = layers[first].mlp.kernels  # it has decoder_layers: args[first] is set
+                while end < len(args) and args[end] is not None and layers[end].mlp.kernels is kernels:
+                    end += 1
+                runs.append(LayerRun(first, end, kernels, kernels.LayerStack(args[first:end])))
+            first = end
+        self._runs = (args, runs)
+        return runs
+
+    def _one_call(
+        self,
+        run: LayerRun,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_caches: list[torch.Tensor],
+        step: LayerStep,
+        keep: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A run of layers (over ``kv_caches``, theirs) as one C++ call: each layer what its modules compute,
+        the same kernels in the same order (``LlamaDecoderLayer.forward`` says what ``x``, ``residual`` and
+        ``keep`` are). A decode step otherwise pays Python and torch's dispatch some 40 times a layer, and
+        ~65 us between two layers' calls of one each."""
+        out: tuple[torch.Tensor, torch.Tensor] = run.kernels.decoder_layers(
+            run.stack,
+            x.contiguous(),
+            residual,
+            kv_caches,
+            step.positions,
+            step.cos,
+            step.sin,
+            step.slot_mapping,
+            step.num_decodes,
+            step.decode_block_tables,
+            step.decode_context_lens,
+            step.prefills,
+            keep,
+        )
+        return out
 
     def _layer_step(self, positions: torch.Tensor, meta: AttentionMetadata) -> LayerStep | None:
         """The step's ``LayerStep`` where its attention runs in the C++ kernels (a decode kernel for decode rows,

@@ -1,4 +1,4 @@
-// One Llama-family decoder layer in one call (CPU, float32, AVX-512 or AVX2 builds): the same kernels
+// A Llama-family decoder layer in one call, and a run of layers in one (CPU, float32, AVX-512 or AVX2 builds): the same kernels
 // the layer's modules call one by one from Python (norms, the row-block GEMMs, rotary, the paged attention
 // kernels, SiLU-and-mul), with the KV write and the views between them done here. A decode step of the real
 // model pays Python and torch's dispatch some 40 times a layer otherwise, 10-15% of its time on this CPU.
@@ -116,6 +116,32 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   }
   h = add_rms_norm(project(rows, o, o_bias), stream, post_norm, post_eps);
   return {project(silu_and_mul(project(h, gate_up, c10::nullopt)), down, c10::nullopt), stream};
+}
+
+// Layers in turn, each one decoder_layer call over its own cache (kv_caches[i] for stack.layers[i]), `keep` for the
+// last alone: the loop the model ran in Python, where a decode step of the real model paid ~65 us between two of
+// its 30 layers (the calls' arguments, the modules' frames) while the second thread waited.
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    const LayerStack& stack, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+    const std::vector<at::Tensor>& kv_caches, const at::Tensor& positions, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& slot_mapping, int64_t num_decodes,
+    const c10::optional<at::Tensor>& decode_block_tables, const c10::optional<at::Tensor>& decode_context_lens,
+    const std::vector<PrefillSpan>& prefills, const c10::optional<at::Tensor>& keep) {
+  const size_t n = stack.layers.size();
+  TORCH_CHECK(n > 0 && kv_caches.size() == n, "decoder_layers: ", kv_caches.size(), " caches for ", n, " layers");
+  std::tuple<at::Tensor, at::Tensor> out{x, residual.has_value() ? *residual : at::Tensor()};
+  for (size_t i = 0; i < n; ++i) {
+    const auto& [in_norm, in_eps, post_norm, post_eps, qkv, qkv_bias, o, o_bias, gate_up, down, q_norm, k_norm, qk_eps,
+                 heads, kv_heads, head_dim, scale] = stack.layers[i];
+    at::Tensor cache = kv_caches[i];
+    const c10::optional<at::Tensor> stream =
+        i > 0 || residual.has_value() ? c10::optional<at::Tensor>(std::get<1>(out)) : c10::nullopt;
+    out = decoder_layer(std::get<0>(out), stream, in_norm, in_eps, post_norm, post_eps, qkv, qkv_bias, o, o_bias,
+                        gate_up, down, q_norm, k_norm, qk_eps, heads, kv_heads, head_dim, positions, cos, sin, cache,
+                        slot_mapping, num_decodes, decode_block_tables, decode_context_lens, prefills, scale,
+                        i + 1 == n ? keep : c10::nullopt);
+  }
+  return out;
 }
 #endif
 

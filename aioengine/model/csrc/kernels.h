@@ -80,6 +80,25 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     int64_t num_decodes, const c10::optional<at::Tensor>& decode_block_tables,
     const c10::optional<at::Tensor>& decode_context_lens, const std::vector<PrefillSpan>& prefills, double scale,
     const c10::optional<at::Tensor>& keep);
+// One layer's arguments to decoder_layer besides the step's: input_norm, input_eps, post_norm, post_eps, qkv,
+// qkv_bias, o, o_bias, gate_up, down, q_norm, k_norm, qk_eps, num_heads, num_kv_heads, head_dim and the
+// attention's scale.
+using LayerWeights = std::tuple<at::Tensor, double, at::Tensor, double, PackedLinear, c10::optional<at::Tensor>,
+                                PackedLinear, c10::optional<at::Tensor>, PackedLinear, PackedLinear,
+                                c10::optional<at::Tensor>, c10::optional<at::Tensor>, double, int64_t, int64_t, int64_t,
+                                double>;
+// A run of consecutive layers' arguments, converted from Python once (LlamaForCausalLM keeps it while no layer's
+// arguments change) instead of at every step.
+struct LayerStack {
+  explicit LayerStack(std::vector<LayerWeights> layers) : layers(std::move(layers)) {}
+  std::vector<LayerWeights> layers;
+};
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    const LayerStack& stack, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+    const std::vector<at::Tensor>& kv_caches, const at::Tensor& positions, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& slot_mapping, int64_t num_decodes,
+    const c10::optional<at::Tensor>& decode_block_tables, const c10::optional<at::Tensor>& decode_context_lens,
+    const std::vector<PrefillSpan>& prefills, const c10::optional<at::Tensor>& keep);
 #endif
 
 }  // namespace aioengine_cpu

@@ -12,7 +12,8 @@
 //   float32 GEMM's argmax, bit for bit; AVX-512 builds with AVX512-BF16);
 // - paged prefill attention: one prompt chunk, causal, over its context in the paged cache (AVX-512 and AVX2
 //   builds);
-// - decoder_layer: a whole Llama-family layer from the kernels above in one call (AVX-512 and AVX2 builds).
+// - decoder_layers: Llama-family decoder layers from the kernels above, a run of them in one call (AVX-512 and
+//   AVX2 builds).
 //
 // This file binds them for Python; attention.cpp, prefill_attention.cpp, elementwise.cpp, packed_weights.cpp,
 // packed_linear.cpp, greedy_screen.cpp and decoder_layer.cpp hold them, common.h their shared helpers. Built on
@@ -52,8 +53,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the output never written: greedy over an lm_head (CPU, float32, AVX-512 or AVX2)", py::arg("x"),
         py::arg("w_address"), py::arg("w_floats"), py::arg("out_features"), py::arg("block_stride"),
         py::arg("bias") = py::none(), release_gil());
-  m.def("decoder_layer", &decoder_layer, "One Llama-family decoder layer: norms, packed GEMMs, rotary, KV write and "
-        "paged attention in one call; returns (MLP output, residual stream) (CPU, float32, AVX-512 or AVX2)",
+  py::class_<LayerStack>(m, "LayerStack", "Consecutive decoder layers' arguments for decoder_layers, each "
+                         "(input_norm, input_eps, post_norm, post_eps, qkv, qkv_bias, o, o_bias, gate_up, down, "
+                         "q_norm, k_norm, qk_eps, num_heads, num_kv_heads, head_dim, scale)")
+      .def(py::init<std::vector<LayerWeights>>())
+      .def("__len__", [](const LayerStack& stack) { return stack.layers.size(); });
+  m.def("decoder_layers", &decoder_layers, "Llama-family decoder layers in turn, each norms, packed GEMMs, rotary, KV "
+        "write and paged attention; returns the last one's (MLP output, residual stream) (CPU, float32, AVX-512 or "
+        "AVX2)", py::arg("stack"), py::arg("x"), py::arg("residual"), py::arg("kv_caches"), py::arg("positions"),
+        py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"), py::arg("num_decodes"),
+        py::arg("decode_block_tables"), py::arg("decode_context_lens"), py::arg("prefills"), py::arg("keep"),
         release_gil());
   m.def("paged_prefill_attention", &paged_prefill_attention, "Causal attention of one prefill chunk over its paged "
         "context, in place into out (CPU, float32, AVX-512 or AVX2)", py::arg("q"), py::arg("kv_cache"),
