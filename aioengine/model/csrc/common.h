@@ -100,6 +100,17 @@ inline void sum8x4(vec8 a0, vec8 a1, vec8 a2, vec8 a3, float* out) {
 #endif
 }
 
+// One head of the rotate-half rotary embedding, from src into dst (src itself, or another head's place):
+// dst[i] = a c[i] - b s[i] and dst[i + half] = b c[i + half] + a s[i + half] with a = src[i], b = src[i + half], c and
+// s the position's cos and sin rows.
+inline void rotate_head(const float* src, float* dst, const float* c, const float* s, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = src[i], b = src[i + half];
+    dst[i] = a * c[i] + (-b) * s[i];
+    dst[i + half] = b * c[i + half] + a * s[i + half];
+  }
+}
+
 // exp(x) for float32 as Cephes computes it (range reduction by ln 2, degree-6 polynomial, 2^n from
 // the exponent bits): within 2 ulp of std::exp, and plain arithmetic, so loops over it vectorise.
 inline float exp_approx(float x) {

@@ -1,7 +1,8 @@
-// A Llama-family decoder layer in one call, and a run of layers in one (CPU, float32, AVX-512 or AVX2 builds): the same kernels
-// the layer's modules call one by one from Python (norms, the row-block GEMMs, rotary, the paged attention
-// kernels, SiLU-and-mul), with the KV write and the views between them done here. A decode step of the real
-// model pays Python and torch's dispatch some 40 times a layer otherwise, 10-15% of its time on this CPU.
+// A Llama-family decoder layer in one call, and a run of layers in one (CPU, float32, AVX-512 or AVX2 builds):
+// the same kernels the layer's modules call one by one from Python (norms, the row-block GEMMs, rotary, the
+// paged attention kernels, SiLU-and-mul), with the KV write (beside the rotary, one pass) and the views between
+// them done here. A decode step of the real model pays Python and torch's dispatch some 40 times a layer
+// otherwise, 10-15% of its time on this CPU.
 
 #include "common.h"
 #include "kernels.h"
@@ -16,34 +17,58 @@ at::Tensor project(const at::Tensor& x, const PackedLinear& w, const c10::option
   return linear_row_blocks(x, address, floats, out_features, block_stride, bias);
 }
 
-// K and V [T, Hkv, D] (tokens and heads at any stride, D contiguous) of every token whose slot is >= 0 into
-// the cache [2, blocks, block_size, Hkv, D]; a negative slot is a padded token, which writes nothing.
-void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
-  const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2);
+// The rotary embedding of q [T, H, D] in place and of k [T, Hkv, D] into the cache [2, blocks, block_size, Hkv, D],
+// with v beside it, for every token whose slot is >= 0 (a negative slot is a padded token: its q is rotated, it
+// writes nothing); tokens and heads at any stride, D contiguous. One pass over the tokens on every thread, where
+// rotary_inplace and then a copy on one thread wrote the cache (k itself is left as it came: nothing reads it after).
+void rotary_write_kv(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache,
+                     const at::Tensor& slot_mapping) {
+  const int64_t T = k.size(0), H = q.size(1), Hkv = k.size(1), D = k.size(2), half = D / 2;
+  TORCH_CHECK(q.size(0) == T && q.size(2) == D && q.stride(2) == 1 && k.stride(2) == 1 && v.sizes() == k.sizes() &&
+                  v.stride(2) == 1, "decoder_layer: q, k and v must be [T, heads, D] with D contiguous");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat &&
                   kv_cache.size(0) == 2 && kv_cache.size(3) == Hkv && kv_cache.size(4) == D,
               "decoder_layer: kv_cache must be a contiguous float32 [2, blocks, block_size, ", Hkv, ", ", D, "]");
+  TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "decoder_layer: cos/sin must be contiguous float32 [positions, ", D, "]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T,
               "decoder_layer: slot_mapping must hold one int64 slot per token");
-  const at::Tensor slots = slot_mapping.contiguous();
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T,
+              "decoder_layer: positions must hold one int64 position per token");
+  const at::Tensor slots = slot_mapping.contiguous(), pos = positions.contiguous();
   const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(sp[t] < num_slots, "decoder_layer: slot ", sp[t], " of token ", t, " outside the cache's ",
                 num_slots);
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "decoder_layer: position ", pp[t], " outside the table");
   }
   float* kc = kv_cache.data_ptr<float>();
   float* vc = kc + num_slots * Hkv * D;
+  float* qp = q.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    if (sp[t] < 0) continue;
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t dst = (sp[t] * Hkv + h) * D;
-      std::memcpy(kc + dst, kp + t * k.stride(0) + h * k.stride(1), static_cast<size_t>(D) * sizeof(float));
-      std::memcpy(vc + dst, vp + t * v.stride(0) + h * v.stride(1), static_cast<size_t>(D) * sizeof(float));
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + pp[t] * D;
+      const float* s = snp + pp[t] * D;
+      for (int64_t h = 0; h < H; ++h) {
+        float* qh = qp + t * q.stride(0) + h * q.stride(1);
+        rotate_head(qh, qh, c, s, half);
+      }
+      if (sp[t] < 0) continue;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t dst = (sp[t] * Hkv + h) * D;
+        rotate_head(kp + t * k.stride(0) + h * k.stride(1), kc + dst, c, s, half);
+        std::memcpy(vc + dst, vp + t * v.stride(0) + h * v.stride(1), static_cast<size_t>(D) * sizeof(float));
+      }
     }
-  }
+  });
 }
 
 // [T, heads, D] at `offset` floats into each row of the fused projection's output qkv [T, row].
@@ -90,8 +115,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     q = rms_norm(q, *q_norm, qk_eps);
     k = rms_norm(k, *k_norm, qk_eps);
   }
-  rotary_inplace(q, k, positions, cos, sin);
-  write_kv(k, v, kv_cache, slot_mapping);
+  rotary_write_kv(q, k, v, positions, cos, sin, kv_cache, slot_mapping);
 
   at::Tensor attn = at::empty({T, num_heads, head_dim}, x.options());
   if (num_decodes > 0) {
