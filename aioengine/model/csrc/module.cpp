@@ -53,9 +53,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the output never written: greedy over an lm_head (CPU, float32, AVX-512 or AVX2)", py::arg("x"),
         py::arg("w_address"), py::arg("w_floats"), py::arg("out_features"), py::arg("block_stride"),
         py::arg("bias") = py::none(), release_gil());
-  py::class_<LayerStack>(m, "LayerStack", "Consecutive decoder layers' arguments for decoder_layers, each "
-                         "(input_norm, input_eps, post_norm, post_eps, qkv, qkv_bias, o, o_bias, gate_up, down, "
-                         "q_norm, k_norm, qk_eps, num_heads, num_kv_heads, head_dim, scale)")
+  // Local to this module: another build of these kernels loaded in the same process (an AVX2 build beside the
+  // AVX-512 one, a rebuilt copy) registers its own.
+  py::class_<LayerStack>(m, "LayerStack", py::module_local(), "Consecutive decoder layers' arguments for "
+                         "decoder_layers, each (input_norm, input_eps, post_norm, post_eps, qkv, qkv_bias, o, o_bias, "
+                         "gate_up, down, q_norm, k_norm, qk_eps, num_heads, num_kv_heads, head_dim, scale)")
       .def(py::init<std::vector<LayerWeights>>())
       .def("__len__", [](const LayerStack& stack) { return stack.layers.size(); });
   m.def("decoder_layers", &decoder_layers, "Llama-family decoder layers in turn, each norms, packed GEMMs, rotary, KV "
