@@ -7,8 +7,8 @@ attention of a prompt chunk (``prefill_attention.cpp``); ``argmax_rows`` for gre
 elementwise layers ``rms_norm``, ``add_rms_norm`` (the residual add and the norm after it in one pass),
 ``rotary_inplace`` and ``silu_and_mul`` (``elementwise.cpp``); the in-place rewrite of oneDNN-reordered
 weights on a swap and its check (``packed_weights.cpp``) and, in AVX-512 and AVX2 builds, the GEMM that
-reads them and its greedy form, each row's first maximum without the output (``packed_linear.cpp``), and a
-whole decoder layer in one call (``decoder_layer.cpp``). The kernels split their work over torch's threads
+reads them and its greedy form, each row's first maximum without the output (``packed_linear.cpp``), and
+a step's decoder layers in one call (``decoder_layer.cpp``). The kernels split their work over torch's threads
 in tasks that a thread done with its own share takes from the others (``parallel_tasks`` in ``common.h``).
 The plain torch paths (``attention.py``, ``torch.argmax``, the layers' own torch code) stay as the fallback
 and the reference they are tested against.

@@ -145,7 +145,7 @@ class Linear(nn.Linear):
 
     def row_block_weight(self) -> tuple[int, int, int, int] | None:
         """``(address, floats, out_features, block_stride)``: the packed copy as ``linear_row_blocks`` reads it,
-        for a caller that runs the GEMM itself (``kernels.decoder_layer``); rebuilt first where stale, as
+        for a caller that runs the GEMM itself (``kernels.decoder_layers``); rebuilt first where stale, as
         ``project`` does. None where ``project`` would not run that GEMM."""
         if not self._ensure_packed() or self._row_blocks is None or self.kernels is None:
             return None
