@@ -30,21 +30,16 @@ void rotary_write_kv(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat &&
                   kv_cache.size(0) == 2 && kv_cache.size(3) == Hkv && kv_cache.size(4) == D,
               "decoder_layer: kv_cache must be a contiguous float32 [2, blocks, block_size, ", Hkv, ", ", D, "]");
-  TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "decoder_layer: cos/sin must be contiguous float32 [positions, ", D, "]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T,
               "decoder_layer: slot_mapping must hold one int64 slot per token");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T,
-              "decoder_layer: positions must hold one int64 position per token");
-  const at::Tensor slots = slot_mapping.contiguous(), pos = positions.contiguous();
+  const at::Tensor pos = checked_rotary_positions("decoder_layer", positions, T, D, cos, sin);
+  const at::Tensor slots = slot_mapping.contiguous();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(sp[t] < num_slots, "decoder_layer: slot ", sp[t], " of token ", t, " outside the cache's ",
                 num_slots);
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "decoder_layer: position ", pp[t], " outside the table");
   }
   float* kc = kv_cache.data_ptr<float>();
   float* vc = kc + num_slots * Hkv * D;

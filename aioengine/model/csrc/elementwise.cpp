@@ -98,24 +98,33 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   });
 }
 
+// The rotary tables cos/sin (contiguous float32 [P, D]) and T int64 positions within them, as `kernel` takes
+// them; raises, naming it, where they are not. The positions, contiguous.
+at::Tensor checked_rotary_positions(const char* kernel, const at::Tensor& positions, int64_t T, int64_t D,
+                                    const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              kernel, ": cos/sin must be contiguous float32 [positions, ", D, "]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T, kernel,
+              ": one int64 position per token");
+  at::Tensor pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), kernel, ": position ", pp[t], " outside the table");
+  }
+  return pos;
+}
+
 // Rotate-half rotary embedding in place on q [T, Hq, D] and k [T, Hk, D] (last dim contiguous, any
 // token/head strides: they may be views into the fused qkv output), from cos/sin tables [P, D].
 void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
                     const at::Tensor& sin) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
-              sin.scalar_type() == at::kFloat, "rotary_inplace: float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat, "rotary_inplace: float32 only");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
               q.stride(2) == 1 && k.stride(2) == 1, "rotary_inplace: q, k must be [T, H, D] with D contiguous");
   const int64_t T = q.size(0), D = q.size(2), half = D / 2;
-  TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
-              sin.is_contiguous(), "rotary_inplace: cos/sin must be contiguous [positions, D]");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T,
-              "rotary_inplace: one int64 position per token");
-  const at::Tensor pos = positions.contiguous();
+  const at::Tensor pos = checked_rotary_positions("rotary_inplace", positions, T, D, cos, sin);
   const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "rotary_inplace: position ", pp[t], " outside the table");
-  }
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   auto rotate = [&](at::Tensor& x, int64_t t) {

@@ -31,6 +31,9 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, co
 at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+// The positions, contiguous, checked against the rotary tables for `kernel` (rotary_inplace, decoder_layer).
+at::Tensor checked_rotary_positions(const char* kernel, const at::Tensor& positions, int64_t T, int64_t D,
+                                    const at::Tensor& cos, const at::Tensor& sin);
 void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
                     const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
