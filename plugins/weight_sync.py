@@ -174,9 +174,9 @@ class WeightSyncExtension:
 
         Names and shapes are checked against the model before anything is received: a bad batch is
         still received (so the trainer's broadcast completes) but dropped, and ``CheckpointError``
-        names the tensor. Each tensor's data is checked (finite) as it arrives: one that fails after
-        the first write raises ``WeightsLostError`` (the engine then serves nothing until a full
-        write). Peak extra memory is one tensor. Returns the worker's report.
+        names the tensor. Each tensor's data is checked (finite) as it is written: one that fails
+        raises ``WeightsLostError`` (the engine then serves nothing until a full write). Peak extra
+        memory is one tensor. Returns the worker's report.
         """
         state = self._weight_sync_group
         if state is None:

@@ -173,7 +173,8 @@ def test_a_layers_kernel_arguments_are_made_once_and_again_when_a_weight_moves_o
     name = "model.layers.1.mlp.down_proj.weight"  # written as a weight update writes it: into the copy in place
     param, values = runner.model.get_parameter(name), linear.dense_weight().clone()
     for src in (values * 1.5, values):
-        assert runner.model.write_weight(name, 0, param, src)
+        writer = runner.model.row_writer(name, param, src)
+        assert writer is linear and writer.write_rows(0, param, src)
         runner.model.weight_written(name)
         changed, taken = forward_both_ways(runner, step)
         assert taken == [runner.model_info().num_layers, 0] and layer._one_call_args() is remade

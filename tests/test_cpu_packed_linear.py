@@ -351,12 +351,28 @@ def test_pack_rows_writes_the_row_block_layout_at_any_alignment(
 
 def test_write_rows_declines_what_it_cannot_write_in_one_pass(kernel: ModuleType) -> None:
     layer = packed_linear(kernel, 96, 64)
-    before = layer.weight.detach().clone()
     piece = layer.weight.data.narrow(0, 0, 96)
-    assert not layer.write_rows(0, piece, torch.randn(64, 96).t())  # not contiguous
-    assert not layer.write_rows(0, piece, torch.randn(96, 64, dtype=torch.float64))  # copy_ casts it
-    assert not packed_linear(None, 96, 64).write_rows(0, piece, torch.randn(96, 64))  # no kernels
-    assert torch.equal(layer.weight, before)
+    assert layer.takes_rows(piece, torch.randn(96, 64))
+    assert not layer.takes_rows(piece, torch.randn(64, 96).t())  # not contiguous
+    assert not layer.takes_rows(piece, torch.randn(96, 64, dtype=torch.float64))  # copy_ casts it
+    assert not layer.takes_rows(piece.narrow(0, 0, 95), torch.randn(96, 64))  # not the piece's shape
+    assert not packed_linear(None, 96, 64).takes_rows(piece, torch.randn(96, 64))  # no kernels
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_write_rows_tells_whether_every_value_it_wrote_was_finite(kernel: ModuleType, bad: float, where: str) -> None:
+    """The finite check rides on the write: one bad value anywhere (any strip, any thread's share, the
+    partial strip at the end) makes it False, and the rows are written all the same."""
+    layer = packed_linear(kernel, 96, 44)
+    layer.mark_packed_stale()
+    src = torch.randn(93, 44)
+    piece = layer.weight.data.narrow(0, 3, 93)
+    assert layer.takes_rows(piece, src) and layer.write_rows(3, piece, src)
+    row = {"first": 0, "middle": 50, "last": 92}[where]
+    src[row, 43 if where == "last" else 7] = bad
+    assert not layer.write_rows(3, piece, src)
+    torch.testing.assert_close(piece, src, rtol=0, atol=0, equal_nan=True)  # written all the same
 
 
 @pytest.mark.parametrize("problem", ["too small", "block", "stride", "dtype", "plain shape"])
@@ -379,3 +395,55 @@ def test_pack_rows_refuses_a_layout_that_does_not_fit(kernel: ModuleType, proble
     with pytest.raises(RuntimeError, match="pack_rows"):
         kernel.pack_rows(weight, 0, address, floats, block, stride, plain)
     assert torch.equal(layer._packed.to_dense(), before)  # refused before any write
+
+
+@pytest.mark.parametrize("misaligned", [0, 1, 5])  # floats off a 64-byte line: the line stores start later
+@pytest.mark.parametrize("size", [1, 15, 16, 17, 1000, 16384 * 3 + 7])  # the last spans three chunks and a bit
+def test_copy_weight_copies_every_value_and_tells_whether_all_were_finite(
+    kernel: ModuleType, misaligned: int, size: int
+) -> None:
+    buffer = torch.zeros(size + 32)
+    start = (-buffer.data_ptr() // 4) % 16 + misaligned
+    dst, src = buffer.narrow(0, start, size), torch.randn(size)
+    assert kernel.copy_weight(dst, src) and torch.equal(dst, src)
+    assert buffer[:start].eq(0).all() and buffer[start + size :].eq(0).all()  # nothing outside dst
+    for at in sorted({0, size // 2, size - 1}):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            src = torch.randn(size)
+            src[at] = bad
+            assert not kernel.copy_weight(dst, src)
+            torch.testing.assert_close(dst, src, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("problem", ["dtype", "size", "not contiguous", "itself"])
+def test_copy_weight_refuses_what_it_cannot_copy(kernel: ModuleType, problem: str) -> None:
+    dst, src = torch.zeros(8, 16), torch.randn(8, 16)
+    if problem == "dtype":
+        src = src.double()
+    elif problem == "size":
+        src = torch.randn(8, 15)
+    elif problem == "not contiguous":
+        src = torch.randn(16, 8).t()
+    else:
+        src = dst
+    with pytest.raises(RuntimeError, match="copy_weight"):
+        kernel.copy_weight(dst, src)
+
+
+@pytest.mark.parametrize("with_kernels", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_copy_checks_values_only_when_asked(
+    kernel: ModuleType, with_kernels: bool, dtype: torch.dtype
+) -> None:
+    """``loader.copy_weight``: the kernels' pass where it fits (float32 both sides), torch's copy and one
+    more read elsewhere; the values land either way."""
+    from aioengine.model.loader import copy_weight
+
+    dst, src = torch.zeros(40, 24), torch.randn(40, 24).to(dtype)
+    src[7, 3] = float("inf")
+    kernels = kernel if with_kernels else None
+    assert copy_weight(dst, src, kernels, check_finite=False)
+    assert not copy_weight(dst, src, kernels, check_finite=True)
+    assert torch.equal(dst, src.float())
+    src[7, 3] = 1.0
+    assert copy_weight(dst, src, kernels, check_finite=True) and torch.equal(dst, src.float())

@@ -437,8 +437,8 @@ class AsyncEngine:
 
         Tensors held in memory must be readable as they are (not on the meta device, not DTensor
         shards, dense) and finite (``allow_non_finite=True`` writes NaN / Inf anyway). Files are
-        streamed, so their data is checked as it is read: a file that breaks or a non-finite tensor
-        after the first write raises ``WeightsLostError`` and the engine serves nothing until a full
+        streamed, so their data is checked as it is written: a non-finite tensor, or a file that breaks
+        after the first write, raises ``WeightsLostError`` and the engine serves nothing until a full
         update or ``reload_weights`` succeeds (never a mix of old and new). ``stage=True`` checks
         everything before the first write.
         """

@@ -253,25 +253,32 @@ class Linear(nn.Linear):
             return None
         return view
 
-    def write_rows(self, offset: int, piece: torch.Tensor, src: torch.Tensor) -> bool:
-        """Copies ``src`` into rows ``[offset, offset + len(src))`` of the weight (``piece`` is that view of
-        it) and of the packed copy, in one pass over ``src``. False, with nothing written, where the
-        in-place path does not apply (then ``piece.copy_(src)``, and the copy is rebuilt when the weight
-        is complete). A released weight takes ``src`` of any dtype, device or layout into its copy alone."""
-        self._generation += 1
+    def takes_rows(self, piece: torch.Tensor, src: torch.Tensor) -> bool:
+        """Whether ``write_rows`` writes ``src`` into the rows ``piece`` (a view of the weight) and the packed
+        copy in one pass over ``src``. Where not, the caller copies into ``piece`` and the copy is rebuilt once
+        the weight is complete. A released weight takes ``src`` of any dtype, device or layout into its copy."""
         if self._released is not None:
-            if tuple(src.shape) != tuple(piece.shape):
-                raise ValueError(f"write_rows: src has shape {tuple(src.shape)}, the rows {tuple(piece.shape)}")
-            self._write_packed(src.to(device="cpu", dtype=torch.float32).contiguous(), offset, self._released, None)
             return True
         layout = self._in_place_layout(self.weight)
         if layout is None or src.dtype != torch.float32 or src.device.type != "cpu" or not src.is_contiguous():
             return False
-        if tuple(src.shape) != tuple(piece.shape) or not piece.is_contiguous():
-            return False
-        self._write_packed(src, offset, layout, piece)
+        return tuple(src.shape) == tuple(piece.shape) and piece.is_contiguous()
+
+    def write_rows(self, offset: int, piece: torch.Tensor, src: torch.Tensor) -> bool:
+        """Copies ``src`` into rows ``[offset, offset + len(src))`` of the weight (``piece`` is that view of
+        it) and of the packed copy, in one pass over ``src``, where ``takes_rows``. Returns whether every value
+        of ``src`` is finite (the kernel reads each strip back while it is in cache)."""
+        self._generation += 1
+        if self._released is not None:
+            if tuple(src.shape) != tuple(piece.shape):
+                raise ValueError(f"write_rows: src has shape {tuple(src.shape)}, the rows {tuple(piece.shape)}")
+            values = src.to(device="cpu", dtype=torch.float32).contiguous()
+            return self._write_packed(values, offset, self._released, None)
+        layout = self._in_place_layout(self.weight)
+        assert layout is not None, "write_rows without takes_rows"
+        finite = self._write_packed(src, offset, layout, piece)
         self._rows_packed += src.shape[0]
-        return True
+        return finite
 
     def _in_place_layout(self, weight: torch.Tensor) -> tuple[int, int] | None:
         packed, kernels = self._packed, self.kernels
@@ -285,10 +292,11 @@ class Linear(nn.Linear):
 
     def _write_packed(
         self, src: torch.Tensor, offset: int, layout: tuple[int, int], plain: torch.Tensor | None
-    ) -> None:
+    ) -> bool:
+        """``pack_rows``: ``src`` into the copy at row ``offset`` (and ``plain``); whether it was all finite."""
         assert self._packed is not None and self.kernels is not None
         address, floats = torch.ops.mkldnn.data_ptr(self._packed), _packed_floats(self._packed)
-        self.kernels.pack_rows(src.detach(), offset, address, floats, *layout, plain)
+        return bool(self.kernels.pack_rows(src.detach(), offset, address, floats, *layout, plain))
 
     def mark_packed_stale(self) -> None:
         """The weight was (or is being) written: the next forward or ``pack`` rebuilds the copy, in place

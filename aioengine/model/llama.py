@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, ClassVar, cast
 
 import torch
@@ -237,6 +238,10 @@ class LlamaForCausalLM(nn.Module):
     intermediate rows, embedding and LM head by vocabulary rows; every rank returns the full logits.
     """
 
+    kernels: ModuleType | None = None
+    """The C++ CPU kernels, where the model runs with them: a weight write copies plain weights with them
+    (``copy_weight``: past the caches, each value checked as it goes)."""
+
     def __init__(
         self,
         cfg: Any,
@@ -264,12 +269,12 @@ class LlamaForCausalLM(nn.Module):
         Writes through ``param.data`` do not bump the version counter, so they cannot be seen otherwise."""
         mark_packed_weights_stale(self)
 
-    def write_weight(self, param: str, offset: int, piece: torch.Tensor, src: torch.Tensor) -> bool:
-        """Writes ``src`` into ``piece`` (rows ``[offset, ...)`` of parameter ``param``) and into the packed
-        copy of the one linear layer computing from it, in one pass; False, with nothing written, where
-        that does not apply (the caller then copies, and ``weight_written`` repacks)."""
+    def row_writer(self, param: str, piece: torch.Tensor, src: torch.Tensor) -> Linear | None:
+        """The one linear layer computing from parameter ``param`` if it writes ``src`` into ``piece`` (its rows
+        of that parameter) and into its packed copy in one pass (``Linear.write_rows``); else None, and the
+        caller copies (``weight_written`` then repacks)."""
         linears = self._linears_of.get(param, ())
-        return len(linears) == 1 and linears[0].write_rows(offset, piece, src)
+        return linears[0] if len(linears) == 1 and linears[0].takes_rows(piece, src) else None
 
     def weight_written(self, param: str) -> None:
         """Called by a weight write once parameter ``param`` is wholly written: the linear layers computing

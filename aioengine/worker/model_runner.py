@@ -128,6 +128,7 @@ class ModelRunner:
                     self.prefill_kernel = getattr(kernels, "paged_prefill_attention", None)
                 self.sampler = Sampler(argmax=kernels.argmax_rows)
                 use_cpu_kernels(self.model, kernels)
+                self.model.kernels = kernels  # weight writes copy the plain weights with them
                 # greedy_tokens reads the lm_head on one rank only
                 self.model.lm_head.set_greedy_screen(self.config.device.cpu_greedy_screen and self.model.tp.size == 1)
         release_plain_weights(self.model, not self.config.device.cpu_keep_plain_weights)

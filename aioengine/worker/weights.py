@@ -5,11 +5,11 @@ A source is a safetensors file or directory, a ``{name: tensor}`` mapping, an it
 checkpoint's (HF) names; fused q/k/v and gate/up are mapped by the model. Nothing is written until
 every tensor's name, shape and dtype has passed; tensors held in memory are also checked to be
 readable (materialised, plain strided tensors, not DTensor shards) and finite before the first
-write. Files are streamed (peak extra memory: one tensor), so their data is checked as it is read:
-a file that breaks, or a tensor that is not finite, after the first write raises
-``WeightsLostError`` and the weights count as discarded until a full write succeeds; never a mix
-served. ``stage=True`` reads everything first and so is all-or-nothing for files too. Writes use
-``copy_`` into the existing parameters: addresses (and captured CUDA graphs) stay valid.
+write. Files are streamed (peak extra memory: one tensor), so their data is checked as it is written
+(in the same pass, where the C++ kernels copy): a tensor that is not finite, or a file that breaks
+after the first write, raises ``WeightsLostError`` and the weights count as discarded until a full
+write succeeds; never a mix served. ``stage=True`` reads everything first and so is all-or-nothing for
+files too. Writes copy into the existing parameters: addresses (and captured CUDA graphs) stay valid.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from aioengine.model.loader import (
     Selector,
     TensorSpec,
     WeightPlan,
+    all_finite,
     checkpoint_files,
     iter_safetensors,
     narrowed,
@@ -69,13 +70,6 @@ class SourceView:
     tensors_checked: bool
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every element is finite, at about the cost of one read: a NaN or Inf makes the sum
-    non-finite, so a finite sum proves them all finite; only a sum that overflowed needs the exact
-    (7x slower) element-wise check."""
-    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
-
-
 def check_tensor(name: str, tensor: object, *, allow_non_finite: bool = False) -> torch.Tensor:
     """``tensor`` if it can be copied into a parameter as it is; else CheckpointError naming it and why."""
     if not isinstance(tensor, torch.Tensor):
@@ -89,11 +83,15 @@ def check_tensor(name: str, tensor: object, *, allow_non_finite: bool = False) -
         raise CheckpointError(f"weight {name!r} is on the meta device: it has no data (materialise it first)")
     if tensor.layout != torch.strided:
         raise CheckpointError(f"weight {name!r} has layout {tensor.layout}; send a dense tensor (.to_dense())")
-    if not allow_non_finite and tensor.is_floating_point() and not _all_finite(tensor):
-        raise CheckpointError(
-            f"weight {name!r} holds NaN or Inf values; fix the source, or pass allow_non_finite=True to write it"
-        )
+    if not allow_non_finite and tensor.is_floating_point() and not all_finite(tensor):
+        raise _non_finite(name)
     return tensor
+
+
+def _non_finite(name: str) -> CheckpointError:
+    return CheckpointError(
+        f"weight {name!r} holds NaN or Inf values; fix the source, or pass allow_non_finite=True to write it"
+    )
 
 
 def tensor_source(pairs: list[tuple[str, object]], *, allow_non_finite: bool = False) -> SourceView:
@@ -166,9 +164,9 @@ def apply_weights(
     The one write path of every weight change (update_weights, staged or not, and worker extensions
     such as the weight-sync plugin): a spec that fails raises CheckpointError before the source is
     even read. Under tensor parallelism the ranks vote after checking, so a source any rank refuses is
-    written on none (every rank writes only its own parts). A streamed tensor that fails its check, or a
-    stream that breaks, after the first write raises WeightsLostError (the caller must treat the weights
-    as discarded).
+    written on none (every rank writes only its own parts). A streamed tensor holding NaN or Inf (found
+    as it is written), or one that fails its other checks or a stream that breaks after the first write,
+    raises WeightsLostError (the caller must treat the weights as discarded).
     """
     try:
         plan = check_source(model, source.specs, strict=strict, partial=partial)
@@ -180,6 +178,9 @@ def apply_weights(
             "another tensor-parallel rank refused this weight source (its error says why); nothing was written "
             "on any rank"
         )
+    # A streamed tensor's values are checked in the pass that writes it (the kernels read each piece back
+    # from cache), so a file or a broadcast is read once, not twice.
+    check_finite = not (source.tensors_checked or allow_non_finite)
     written = nbytes = 0
     try:
         for name, tensor in source.stream(plan.targets.get):
@@ -187,10 +188,12 @@ def apply_weights(
             if target is None:
                 continue
             if not source.tensors_checked:
-                check_tensor(name, tensor, allow_non_finite=allow_non_finite)
-            plan.write(target, tensor)
+                check_tensor(name, tensor, allow_non_finite=True)
+            finite = plan.write(target, tensor, check_finite=check_finite)
             written += 1
             nbytes += tensor.numel() * tensor.element_size()
+            if not finite:
+                raise _non_finite(name)
     except Exception as exc:
         if written == 0:
             raise

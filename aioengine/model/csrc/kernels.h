@@ -39,8 +39,9 @@ void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, c
 at::Tensor silu_and_mul(const at::Tensor& x);
 
 // packed_weights.cpp
-void pack_rows(const at::Tensor& src, int64_t row_offset, int64_t dst_address, int64_t dst_floats, int64_t block,
+bool pack_rows(const at::Tensor& src, int64_t row_offset, int64_t dst_address, int64_t dst_floats, int64_t block,
                int64_t block_stride, const c10::optional<at::Tensor>& plain);
+bool copy_weight(at::Tensor& dst, const at::Tensor& src);
 bool row_blocks_equal(const at::Tensor& src, int64_t dst_address, int64_t dst_floats, int64_t block,
                       int64_t block_stride);
 

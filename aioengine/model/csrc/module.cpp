@@ -4,7 +4,8 @@
 // - argmax_rows: greedy sampling's argmax;
 // - rms_norm, rotary_inplace, silu_and_mul: the elementwise parts of a Llama layer, one pass each
 //   instead of 5-12 torch ops (on CPU every op costs microseconds of dispatch);
-// - pack_rows: a swapped-in linear weight written into its oneDNN-reordered copy in place;
+// - pack_rows: a swapped-in linear weight written into its oneDNN-reordered copy in place; copy_weight: any
+//   other weight written past the caches; both check the values for NaN and Inf as they go;
 // - linear_row_blocks: x @ W.T (+ bias) read straight from that copy, for the few rows of a decode step;
 //   linear_row_blocks_argmax: the first maximum of each of its rows, for greedy steps over an lm_head
 //   (AVX-512 and AVX2 builds), and row_blocks_equal, which checks that a copy is laid out as it assumes;
@@ -40,8 +41,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release_gil());
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)", release_gil());
   m.def("pack_rows", &pack_rows, "Rows of a linear weight into its oneDNN-reordered copy in place, and optionally "
-        "into the plain weight (CPU, float32)", py::arg("src"), py::arg("row_offset"), py::arg("dst_address"),
+        "into the plain weight; whether every value was finite (CPU, float32)", py::arg("src"), py::arg("row_offset"), py::arg("dst_address"),
         py::arg("dst_floats"), py::arg("block"), py::arg("block_stride"), py::arg("plain") = py::none(), release_gil());
+  m.def("copy_weight", &copy_weight, "dst = src past the caches; whether every value was finite (CPU, float32)",
+        py::arg("dst"), py::arg("src"), release_gil());
   m.def("row_blocks_equal", &row_blocks_equal, "Whether a oneDNN-reordered copy holds the weight under pack_rows' "
         "layout, value for value (CPU, float32)", py::arg("src"), py::arg("dst_address"), py::arg("dst_floats"),
         py::arg("block"), py::arg("block_stride"), release_gil());

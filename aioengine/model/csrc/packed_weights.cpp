@@ -1,5 +1,6 @@
-// Linear weights in oneDNN's reordered layout, written and checked: a swapped-in weight rewritten into its copy
-// in place (pack_rows) and the check that a copy holds a weight under that layout (row_blocks_equal), which
+// Weights written and checked: a swapped-in linear weight rewritten into its oneDNN-reordered copy in place
+// (pack_rows), any other weight copied past the caches (copy_weight), both telling whether every value was
+// finite; and the check that a copy holds a weight under pack_rows' layout (row_blocks_equal), which
 // linear_row_blocks (packed_linear.cpp) needs of a copy before it reads one.
 
 #include "common.h"
@@ -34,6 +35,18 @@ inline void copy_past_caches(float* dst, const float* src, int64_t n) {
 #endif
 }
 
+// Whether p[0, n) holds no NaN and no Inf (an exponent of all ones): an integer test the compiler vectorises.
+// Run over data just copied, so it reads the caches, not memory.
+inline bool span_finite(const float* p, int64_t n) {
+  uint32_t special = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, p + i, sizeof(bits));
+    special |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+  }
+  return special == 0;
+}
+
 // Rows [row_offset, row_offset + R) of a linear weight, given as src [R, I], written into a
 // oneDNN-reordered copy of the weight in place (and, with `plain` defined, into the plain weight's rows
 // too, in the same pass: src is read once). The layout is the one oneDNN picks for float32 matmul
@@ -44,7 +57,9 @@ inline void copy_past_caches(float* dst, const float* src, int64_t n) {
 // touch of fresh memory costs more than the reorder itself; in place, a swap writes memory already mapped.
 // Where AVX-512 is built and the copy starts on a cache line, strips are 16 rows high and every column of
 // a strip is one whole 64-byte line, stored past the caches; so is the plain weight's aligned middle.
-void pack_rows(const at::Tensor& src, int64_t row_offset, int64_t dst_address, int64_t dst_floats, int64_t block,
+// Returns whether every value of src is finite, read from each strip while it is in cache: a streamed weight
+// is checked in the pass that writes it, not in one more read from memory.
+bool pack_rows(const at::Tensor& src, int64_t row_offset, int64_t dst_address, int64_t dst_floats, int64_t block,
                int64_t block_stride, const c10::optional<at::Tensor>& plain) {
   TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kFloat && src.is_contiguous(),
               "pack_rows: src must be a contiguous [rows, I] float32 tensor");
@@ -74,7 +89,9 @@ void pack_rows(const at::Tensor& src, int64_t row_offset, int64_t dst_address, i
   const int64_t strip_rows = whole_lines ? 16 : 8;
   // Strips aligned to their height (so none crosses a block); a partial strip at either end.
   const int64_t first = row_offset / strip_rows, last = (row_offset + R + strip_rows - 1) / strip_rows;
+  std::atomic<bool> finite{true};
   at::parallel_for(first, last, 64 / strip_rows, [&](int64_t begin, int64_t end) {
+    bool mine = true;
     for (int64_t strip = begin; strip < end; ++strip) {
       const int64_t o0 = std::max(strip * strip_rows, row_offset);
       const int64_t o1 = std::min((strip + 1) * strip_rows, row_offset + R);
@@ -100,11 +117,42 @@ void pack_rows(const at::Tensor& src, int64_t row_offset, int64_t dst_address, i
       if (plain_rows != nullptr) {  // the strip's rows are in cache now
         copy_past_caches(plain_rows + (o0 - row_offset) * I, rows, (o1 - o0) * I);
       }
+      mine = mine && span_finite(rows, (o1 - o0) * I);
     }
 #if defined(__AVX512F__)
     _mm_sfence();  // the streamed stores are weakly ordered: done before anyone reads the copy
 #endif
+    if (!mine) finite.store(false, std::memory_order_relaxed);
   });
+  return finite.load();
+}
+
+// dst = src for two contiguous float32 tensors of one size (a weight and a checkpoint tensor), in chunks over
+// the threads, the aligned middle of each stored past the caches (a swap writes far more than they hold; a
+// store of part of a line first reads it in). Returns whether every value is finite, read from each chunk
+// while it is in cache.
+bool copy_weight(at::Tensor& dst, const at::Tensor& src) {
+  TORCH_CHECK(dst.scalar_type() == at::kFloat && src.scalar_type() == at::kFloat && dst.is_contiguous() &&
+                  src.is_contiguous() && dst.numel() == src.numel(),
+              "copy_weight: dst and src must be contiguous float32 tensors of one size");
+  TORCH_CHECK(dst.data_ptr<float>() != src.data_ptr<float>(), "copy_weight: dst is src");
+  float* out = dst.data_ptr<float>();
+  const float* in = src.data_ptr<float>();
+  constexpr int64_t kChunk = 16384;  // 64 KiB: in L2 when its check reads it back
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, (src.numel() + kChunk - 1) / kChunk, 4, [&](int64_t begin, int64_t end) {
+    bool mine = true;
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t at = chunk * kChunk, n = std::min(kChunk, src.numel() - at);
+      copy_past_caches(out + at, in + at, n);
+      mine = mine && span_finite(in + at, n);
+    }
+#if defined(__AVX512F__)
+    _mm_sfence();
+#endif
+    if (!mine) finite.store(false, std::memory_order_relaxed);
+  });
+  return finite.load();
 }
 
 // Whether rows [0, R) of src [R, I] sit in the copy at dst_address under pack_rows' layout (block,
