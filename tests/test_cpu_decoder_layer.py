@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from aioengine.messages import KVCacheConfig, ScheduledRequest, SchedulerOutput
-from aioengine.model.llama import LayerRun, LlamaDecoderLayer, LlamaForCausalLM
+from aioengine.model import one_call
 from aioengine.testing import build_checkpoint
 from aioengine.worker.cpu_worker import CPUWorker
 from aioengine.worker.model_runner import ModelRunner
@@ -66,24 +66,24 @@ def forward_both_ways(runner: ModelRunner, step: tuple) -> tuple[list[tuple[torc
     start = [torch.randn(c.shape, generator=gen) for c in runner.cache_engine.device_cache]
     taken: list[int] = []
     results = []
-    one_call = LlamaForCausalLM._one_call
+    run_layers = one_call.run_layers
 
-    def counted(self: LlamaForCausalLM, run: LayerRun, *args: object) -> object:
+    def counted(run: one_call.LayerRun, *args: object) -> object:
         taken[-1] += len(run.stack)
-        return one_call(self, run, *args)  # type: ignore[arg-type]
+        return run_layers(run, *args)  # type: ignore[arg-type]
 
     try:
-        LlamaForCausalLM._one_call = counted  # type: ignore[method-assign,assignment]
+        one_call.run_layers = counted  # type: ignore[assignment]
         for flag in (True, False):
-            LlamaDecoderLayer.one_call = flag
+            one_call.LayerArgs.enabled = flag
             caches = [c.clone() for c in start]
             taken.append(0)
             with torch.inference_mode():
                 logits = runner.model(step[0], step[1], caches, step[2], step[3])
             results.append((logits, caches))
     finally:
-        LlamaForCausalLM._one_call = one_call  # type: ignore[method-assign]
-        LlamaDecoderLayer.one_call = True
+        one_call.run_layers = run_layers
+        one_call.LayerArgs.enabled = True
     return results, taken
 
 
@@ -136,7 +136,7 @@ def test_a_layer_whose_linear_is_not_packed_takes_the_module_path(
     linear._row_blocks = None  # a copy not in the row-block layout: oneDNN's GEMM reads it
     try:
         results, taken = forward_both_ways(runner, mixed_step(runner))
-        runs = [(run.first, run.end, run.stack is not None) for run in runner.model._layer_runs()]
+        runs = [(run.first, run.end, run.stack is not None) for run in runner.model._layer_runs.get()]
     finally:
         linear._row_blocks = row_blocks
     assert runs == [(0, 1, True), (1, 2, False), (2, 3, True)]
@@ -156,17 +156,17 @@ def test_a_layers_kernel_arguments_are_made_once_and_again_when_a_weight_moves_o
     linear = layer.mlp.down_proj
     step = mixed_step(runner)
     before, _ = forward_both_ways(runner, step)
-    made, runs = layer._one_call_args(), runner.model._layer_runs()
-    assert made is not None and layer._one_call_args() is made  # the step above made them: kept
-    assert runner.model._layer_runs() is runs and [len(run.stack) for run in runs] == [3]  # and the stack of them
+    made, runs = layer.kernel_args.get(), runner.model._layer_runs.get()
+    assert made is not None and layer.kernel_args.get() is made  # the step above made them: kept
+    assert runner.model._layer_runs.get() is runs and [len(run.stack) for run in runs] == [3]  # and the stack of them
 
     held = linear._packed  # alive, so the next copy cannot land in its memory
     linear.drop_packed()  # the plain weight back, read from the copy; the next pack reorders into new memory
     moved, taken = forward_both_ways(runner, step)
     assert taken == [runner.model_info().num_layers, 0]
-    remade = layer._one_call_args()
+    remade = layer.kernel_args.get()
     assert remade is not None and remade is not made and linear.row_block_weight() in remade
-    assert runner.model._layer_runs() is not runs  # a new stack holds the new copy
+    assert runner.model._layer_runs.get() is not runs  # a new stack holds the new copy
     assert torch.equal(moved[0][0], before[0][0])
     del held
 
@@ -177,7 +177,7 @@ def test_a_layers_kernel_arguments_are_made_once_and_again_when_a_weight_moves_o
         assert writer is linear and writer.write_rows(0, param, src)
         runner.model.weight_written(name)
         changed, taken = forward_both_ways(runner, step)
-        assert taken == [runner.model_info().num_layers, 0] and layer._one_call_args() is remade
+        assert taken == [runner.model_info().num_layers, 0] and layer.kernel_args.get() is remade
         assert torch.equal(changed[0][0], changed[1][0])
         assert torch.equal(changed[0][0], before[0][0]) == (src is values)
 

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
+from aioengine.model import one_call
 from aioengine.model.attention import AttentionMetadata, paged_attention
 from aioengine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabEmbedding
 from aioengine.model.linear import Linear, RowParallelLinear, mark_packed_weights_stale
@@ -94,37 +95,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out if keep is None else out[keep])
 
 
-@dataclass(frozen=True, slots=True)
-class LayerStep:
-    """What every layer of a step hands ``kernels.decoder_layers`` besides its own weights and cache: made once a
-    step (``LlamaForCausalLM.final_hidden``) where the step's attention has kernels and the rotary is theirs."""
-
-    positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    slot_mapping: torch.Tensor
-    num_decodes: int
-    decode_block_tables: torch.Tensor | None
-    decode_context_lens: torch.Tensor | None
-    prefills: list[tuple[int, int, int, torch.Tensor]]  # (token start, tokens, start position, block ids)
-
-
-@dataclass(frozen=True, slots=True)
-class LayerRun:
-    """Layers ``[first, end)`` of a model, run as one C++ call where ``stack`` (a ``kernels.LayerStack`` of their
-    arguments) is set, else module by module."""
-
-    first: int
-    end: int
-    kernels: Any = None
-    stack: Any = None
-
-
 class LlamaDecoderLayer(nn.Module):
-    one_call: bool = True
-    """Whether the layer runs in ``kernels.decoder_layers`` where that applies (``LlamaForCausalLM._one_call``);
-    off, always module by module (the reference it is tested against)."""
-
     def __init__(
         self, cfg: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallel
     ) -> None:
@@ -133,21 +104,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # Plain references (a tuple registers nothing) for _one_call_args, which runs every step of every layer:
-        # a submodule looked up through nn.Module costs about a microsecond.
-        attn = self.self_attn
-        self._one_call_parts = (self.mlp, attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        # Where the kernel's other parameters live: a parameter set anew on its module replaces the entry here.
-        owned = [
-            (self.input_layernorm, "weight"),
-            (self.post_attention_layernorm, "weight"),
-            (attn.qkv_proj, "bias"),
-            (attn.o_proj, "bias"),
-            (attn.q_norm, "weight"),
-            (attn.k_norm, "weight"),
-        ]
-        self._one_call_params = [(m._parameters, name) for m, name in owned if m is not None]
-        self._one_call_cache: tuple[tuple[Any, ...], tuple[Any, ...] | None] | None = None
+        # Its arguments to kernels.decoder_layers, kept from step to step.
+        self.kernel_args = one_call.LayerArgs(self)
 
     def forward(
         self,
@@ -161,7 +119,7 @@ class LlamaDecoderLayer(nn.Module):
         """``x``: the previous layer's MLP output, not yet added into ``residual`` (the residual stream,
         updated in place); for the first layer the embeddings, with ``residual`` None. Each add is fused
         into the norm that follows it. Where the C++ kernels cover the whole layer the model runs it there
-        instead (``LlamaForCausalLM._one_call``), computing what the modules below do.
+        instead (``one_call.run_layers``), computing what the modules below do.
 
         With ``keep`` (row indices: the last layer, given the rows that sample) every token still writes its
         K and V, but everything after the attention runs for those rows alone, and both results are theirs
@@ -175,47 +133,6 @@ class LlamaDecoderLayer(nn.Module):
             residual = residual[keep]
         h = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
-
-    def _one_call_args(self) -> tuple[Any, ...] | None:
-        """The layer's arguments to ``kernels.decoder_layers`` (its norms, packed copies, biases, head counts and
-        the attention's scale: a ``LayerStack`` entry), or None where a linear's copy is not the row-block
-        GEMM's, the kernels lack the call or heads are split across ranks. Made again whenever a packed copy
-        moved or was rebuilt elsewhere (``row_block_weight`` brings each up to its weight first, as every step
-        did before), the kernels changed or a norm's or bias's parameter was set anew (weight writes keep the
-        objects and write their data, which the kernel then reads)."""
-        mlp, qkv, o, gate_up, down = self._one_call_parts
-        copies = (qkv.row_block_weight(), o.row_block_weight(), gate_up.row_block_weight(), down.row_block_weight())
-        # The parameters by identity (tuples compare their items with ==, which a tensor answers elementwise);
-        # the arguments hold the objects, so no other can take an id meanwhile.
-        key = (mlp.kernels, copies, [id(params.get(name)) for params, name in self._one_call_params])
-        cached = self._one_call_cache
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        attn = self.self_attn
-        args: tuple[Any, ...] | None = None
-        if hasattr(mlp.kernels, "decoder_layers") and attn.o_proj.tp.size == 1 and None not in copies:
-            q_norm, k_norm = attn.q_norm, attn.k_norm
-            args = (
-                self.input_layernorm.weight,
-                self.input_layernorm.eps,
-                self.post_attention_layernorm.weight,
-                self.post_attention_layernorm.eps,
-                copies[0],
-                attn.qkv_proj.bias,
-                copies[1],
-                attn.o_proj.bias,
-                copies[2],
-                copies[3],
-                None if q_norm is None else q_norm.weight,
-                None if k_norm is None else k_norm.weight,
-                0.0 if q_norm is None else q_norm.eps,  # unused without the norms
-                attn.num_heads,
-                attn.num_kv_heads,
-                attn.head_dim,
-                attn.scale,
-            )
-        self._one_call_cache = (key, args)
-        return args
 
 
 class LlamaModel(nn.Module):
@@ -260,8 +177,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, self.model.embed_tokens.rows, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # _layer_runs's: the layers' one-call arguments it last saw, and the runs it made of them.
-        self._runs: tuple[list[tuple[Any, ...] | None], list[LayerRun]] | None = None
+        # The layers as runs of one C++ call each where they take it, kept from step to step.
+        layers = cast(list[LlamaDecoderLayer], self.model.layers)
+        self._layer_runs = one_call.LayerRuns([layer.kernel_args for layer in layers])
 
     def weights_changed(self) -> None:
         """Call after writing parameters in place by any means other than ``WeightPlan`` (which calls it):
@@ -328,13 +246,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} layers")
         keep = logits_indices if logits_indices.shape[0] < input_ids.shape[0] else None
         x, residual = self.model.embed_tokens(input_ids), None
-        step = self._layer_step(positions, meta)
+        step = one_call.layer_step(positions, meta, self.model.rotary_emb, head_dim_of(self.config))
         on_kernels = step is not None and x.dtype == torch.float32 and x.device.type == "cpu"
-        for run in self._layer_runs() if on_kernels else [LayerRun(0, len(layers))]:
+        for run in self._layer_runs.get() if on_kernels else [one_call.LayerRun(0, len(layers))]:
             run_keep = keep if run.end == len(layers) else None
             if run.stack is not None:
                 assert step is not None
-                x, residual = self._one_call(run, x, residual, kv_caches[run.first : run.end], step, run_keep)
+                x, residual = one_call.run_layers(run, x, residual, kv_caches[run.first : run.end], step, run_keep)
                 continue
             for i in range(run.first, run.end):
                 last_keep = run_keep if i == run.end - 1 else None
@@ -343,83 +261,6 @@ class LlamaForCausalLM(nn.Module):
         if keep is None:  # the last add and the norm are per token: only the rows that sample
             x, residual = x[logits_indices], residual[logits_indices]
         return self.model.norm.add_and_norm(x, residual)
-
-    def _layer_runs(self) -> list[LayerRun]:
-        """The layers in order as runs: consecutive layers that each take the one call
-        (``LlamaDecoderLayer._one_call_args``) on the same kernels are one run with a ``kernels.LayerStack`` of
-        their arguments, a layer that does not is a run of its own, module by module. Kept while every layer
-        hands the same arguments (a layer makes them again when a packed copy moved or a parameter was set
-        anew)."""
-        layers = cast(list[LlamaDecoderLayer], self.model.layers)
-        args = [layer._one_call_args() if layer.one_call else None for layer in layers]
-        if self._runs is not None and all(a is b for a, b in zip(self._runs[0], args, strict=True)):
-            return self._runs[1]
-        runs: list[LayerRun] = []
-        first = 0
-        while first < len(args):
-            end = first + 1
-            if args[first] is None:
-                runs.append(LayerRun(first, end))
-            else:
-                kernels: Any = layers[first].mlp.kernels  # it has decoder_layers: args[first] is set
-                while end < len(args) and args[end] is not None and layers[end].mlp.kernels is kernels:
-                    end += 1
-                runs.append(LayerRun(first, end, kernels, kernels.LayerStack(args[first:end])))
-            first = end
-        self._runs = (args, runs)
-        return runs
-
-    def _one_call(
-        self,
-        run: LayerRun,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_caches: list[torch.Tensor],
-        step: LayerStep,
-        keep: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A run of layers (over ``kv_caches``, theirs) as one C++ call: each layer what its modules compute,
-        the same kernels in the same order (``LlamaDecoderLayer.forward`` says what ``x``, ``residual`` and
-        ``keep`` are). A decode step otherwise pays Python and torch's dispatch some 40 times a layer, and
-        ~65 us between two layers' calls of one each."""
-        out: tuple[torch.Tensor, torch.Tensor] = run.kernels.decoder_layers(
-            run.stack,
-            x.contiguous(),
-            residual,
-            kv_caches,
-            step.positions,
-            step.cos,
-            step.sin,
-            step.slot_mapping,
-            step.num_decodes,
-            step.decode_block_tables,
-            step.decode_context_lens,
-            step.prefills,
-            keep,
-        )
-        return out
-
-    def _layer_step(self, positions: torch.Tensor, meta: AttentionMetadata) -> LayerStep | None:
-        """The step's ``LayerStep`` where its attention runs in the C++ kernels (a decode kernel for decode rows,
-        a prefill kernel for prompt chunks: none for a head size off 16) and so does the rotary (over the
-        whole head); else None, and every layer runs module by module."""
-        rotary = self.model.rotary_emb
-        if (
-            (meta.num_decodes and meta.decode_kernel is None)
-            or (meta.prefills and meta.prefill_kernel is None)
-            or not rotary.kernel_covers(head_dim_of(self.config))
-        ):
-            return None
-        return LayerStep(
-            positions,
-            rotary.cos_cached,
-            rotary.sin_cached,
-            meta.slot_mapping,
-            meta.num_decodes,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            [(c.token_start, c.num_tokens, c.start_pos, c.block_ids) for c in meta.prefills],
-        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head over ``final_hidden``'s rows: [S, V] float32 (gathered from every rank)."""
