@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
 import tempfile
 import time
@@ -91,12 +92,18 @@ class Streams:
     stop: bool = False
 
     async def run(self, engine: AsyncEngine, num: int, max_tokens: int) -> None:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        """Runs ``num`` streams until ``stop``, each output's length drawn anew from U[max_tokens / 2,
+        3 max_tokens / 2] (seeded per stream), so the streams restart at different steps. Streams of one
+        length restart together: every prompt in one step, several decode steps long, at a fixed beat that
+        a swap landing on it waits for and that no server's traffic has."""
         self.latest = [0.0] * num
 
         async def one(i: int) -> None:
+            lengths = random.Random(i)
             while not self.stop:
                 last = time.perf_counter()
+                length = lengths.randint(max_tokens // 2, max_tokens * 3 // 2)
+                params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
                 async for _ in engine.generate([i + 3, *PROMPT], params):
                     now = self.latest[i] = time.perf_counter()
                     self.stamps.append((last, now))
