@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -293,6 +294,30 @@ async def test_a_streamed_file_with_a_nan_tensor_is_refused_before_the_write_or_
         await engine.update_weights(tmp_path / "model.safetensors", stage=True)
     await engine.reload_weights()
     assert await tokens(engine) == reference["A"]
+
+
+async def test_a_streamed_update_checks_values_in_its_write_and_a_dict_before_it(
+    engine: AsyncEngine, ckpt_b: Path, kernel: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the kernels, a file's tensors are checked in the pass that writes them (no read of their own);
+    a dict is still checked whole, one read per tensor, before anything is written."""
+    from aioengine.model import loader
+    from aioengine.worker import weights
+
+    calls: list[int] = []
+    all_finite = loader.all_finite
+
+    def counted(tensor: torch.Tensor) -> bool:
+        calls.append(tensor.numel())
+        return all_finite(tensor)
+
+    monkeypatch.setattr(weights, "all_finite", counted)
+    monkeypatch.setattr(loader, "all_finite", counted)
+    await engine.update_weights(ckpt_b)
+    assert calls == []
+    tensors = load_file(ckpt_b / "model.safetensors")
+    await engine.update_weights(tensors)
+    assert sorted(calls) == sorted(t.numel() for t in tensors.values())
 
 
 def test_the_finite_check_is_exact_when_a_sum_of_finite_weights_overflows() -> None:
