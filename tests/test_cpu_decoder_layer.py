@@ -19,6 +19,7 @@ from aioengine.model import one_call
 from aioengine.testing import build_checkpoint
 from aioengine.worker.cpu_worker import CPUWorker
 from aioengine.worker.model_runner import ModelRunner
+from aioengine.worker.step_inputs import prepare_inputs
 from tests.conftest import engine_config
 
 BLOCK = 16
@@ -54,7 +55,13 @@ def mixed_step(runner: ModelRunner, shapes: list[tuple[int, int]] = SHAPES) -> t
     reqs = [ScheduledRequest(f"r{i}", torch.randint(3, 500, (n,), generator=gen).tolist(), start,
                              [pool.pop() for _ in range(-(-(start + n) // BLOCK))], None)
             for i, (start, n) in enumerate(shapes)]  # fmt: skip
-    inputs = runner.prepare_inputs(SchedulerOutput(0, reqs))
+    inputs = prepare_inputs(
+        SchedulerOutput(0, reqs),
+        runner.block_size,
+        runner.device,
+        decode_kernel=runner.decode_kernel,
+        prefill_kernel=runner.prefill_kernel,
+    )
     return inputs.input_ids, inputs.positions, inputs.meta, torch.arange(len(inputs.input_ids))
 
 

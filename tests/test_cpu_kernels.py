@@ -27,8 +27,7 @@ from aioengine.model import cpu_kernels
 from aioengine.model.attention import _decode_rows, paged_attention
 from aioengine.model.linear import Linear
 from aioengine.sampling.params import SamplingParams
-from aioengine.worker.model_runner import ModelRunner
-from tests.conftest import engine_config
+from aioengine.worker.step_inputs import prepare_inputs
 from tests.helpers import final, hf_generate
 from tests.weight_swap_support import hf_model
 
@@ -164,17 +163,15 @@ def test_a_failed_build_makes_load_return_none_with_a_warning(monkeypatch: pytes
 
 
 KERNEL_OF = {"decode_kernel": "paged_decode_attention", "prefill_kernel": "paged_prefill_attention"}
-"""The runner's attention kernels, by the kernel module's name for each."""
+"""``prepare_inputs``' attention kernels, by the kernel module's name for each."""
 
 
 @pytest.mark.parametrize("path", list(KERNEL_OF))
-def test_mixed_batch_from_prepare_inputs_is_the_same_with_and_without_the_kernel(kernel: ModuleType, llama_ckpt: Path,
-                                                                                 path: str) -> None:  # fmt: skip
+def test_mixed_batch_from_prepare_inputs_is_the_same_with_and_without_the_kernel(kernel: ModuleType, path: str) -> None:
     # Decodes at contexts 1, 16 (a block boundary) and 41; a prefill chunk continuing at position 20 and one from 0.
     # The chunks' own K and V are written into the cache by paged_attention before either path reads them.
     if not hasattr(kernel, KERNEL_OF[path]):
         pytest.skip(f"the kernels were built without {KERNEL_OF[path]} (AVX-512 and AVX2 builds have it)")
-    runner = ModelRunner(engine_config(llama_ckpt), torch.device("cpu"))  # no model: prepare_inputs only
     gen = torch.Generator().manual_seed(3)
     pool = torch.randperm(40, generator=gen).tolist()
     shapes = [(0, 1), (20, 9), (15, 1), (0, 5), (40, 1)]  # (start_pos, tokens)
@@ -184,8 +181,7 @@ def test_mixed_batch_from_prepare_inputs_is_the_same_with_and_without_the_kernel
     cache = torch.randn(2, 40, 16, 2, 32, generator=gen)
     outputs = []
     for attention_kernel in (None, getattr(kernel, KERNEL_OF[path])):
-        setattr(runner, path, attention_kernel)
-        meta = runner.prepare_inputs(SchedulerOutput(0, reqs)).meta
+        meta = prepare_inputs(SchedulerOutput(0, reqs), 16, torch.device("cpu"), **{path: attention_kernel}).meta
         assert meta.num_decodes == 3 and len(meta.prefills) == 2 and getattr(meta, path) is attention_kernel
         outputs.append(paged_attention(q, k, v, cache.clone(), meta, 0.3))
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)

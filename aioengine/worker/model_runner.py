@@ -1,12 +1,7 @@
-"""ModelRunner: turns a SchedulerOutput into tensors, runs the forward, samples.
-
-Input preparation is vectorised: one flat token list per step, positions and slot mappings
-computed with tensor ops, never per token in Python.
-"""
+"""ModelRunner: turns a SchedulerOutput into tensors (``step_inputs``), runs the forward, samples."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -16,42 +11,27 @@ from typing import Any
 import torch
 
 from aioengine.messages import (
-    PLACEHOLDER_TOKEN_ID,
     KVCacheConfig,
     LogprobRows,
     ModelInfo,
     ModelRunnerOutput,
-    PromptLogprobsSpec,
     ScheduledRequest,
     SchedulerOutput,
 )
 from aioengine.model import cpu_kernels
-from aioengine.model.attention import AttentionMetadata, PrefillChunk, split_decode_rows
 from aioengine.model.hf_config import CheckpointConfig, load_hf_config
 from aioengine.model.layers import use_cpu_kernels
 from aioengine.model.linear import cpu_prepack_supported, drop_packed_weights, release_plain_weights, set_weight_prepack
 from aioengine.model.llama import LlamaForCausalLM, tp_heads
 from aioengine.model.loader import load_model, resolve_dtype, resolve_max_model_len
 from aioengine.model.parallel import SINGLE, TensorParallel
-from aioengine.sampling.sampler import Sampler, SamplingMetadata, gather_logprobs
+from aioengine.sampling.sampler import Sampler, SamplingMetadata
 from aioengine.worker.cache_engine import CacheEngine
 from aioengine.worker.graphs import PaddedDecodeRunner, default_capture_sizes
+from aioengine.worker.logprobs import asks_logprobs, known_token_logprobs, sampled_logprobs
+from aioengine.worker.step_inputs import StepInputs, fill_placeholders, padded_decode_inputs, prepare_inputs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """Device tensors of one step, plus which request each sampled row belongs to."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor
-    """Rows of the logits the model computes: one per sampling request, then one per known token whose
-    logprob a request asked for (``prompt_reqs``, in order)."""
-    sample_reqs: list[ScheduledRequest]
-    prompt_reqs: list[ScheduledRequest]
 
 
 class ModelRunner:
@@ -246,7 +226,7 @@ class ModelRunner:
             info.num_layers, self.kv_heads, info.head_size, self.block_size, blocks, self.cache_dtype(), self.device
         )
         req = ScheduledRequest("profile", [0] * num_tokens, 0, list(range(blocks)), sampling=None)
-        inputs = self.prepare_inputs(SchedulerOutput(-1, [req]))
+        inputs = self._prepare_inputs(SchedulerOutput(-1, [req]))
         assert self.model is not None
         self.model(
             inputs.input_ids,
@@ -258,70 +238,9 @@ class ModelRunner:
         del scratch
 
     # ---- one step ----------------------------------------------------------------------------------
-    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
-        # Decodes (one query token) first, then prefill chunks: the attention's layout.
-        reqs = sorted(sched.requests, key=lambda r: len(r.token_ids) != 1)
-        bs = self.block_size
-        lens = torch.tensor([len(r.token_ids) for r in reqs])
-        starts = torch.tensor([r.start_pos for r in reqs])
-        max_blocks = max(len(r.block_ids) for r in reqs)
-        tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs])
-        cu = torch.cumsum(lens, 0)
-        total = int(cu[-1])
-        row = torch.repeat_interleave(torch.arange(len(reqs)), lens)
-        positions = starts[row] + torch.arange(total) - (cu - lens)[row]
-        slots = tables[row, positions // bs] * bs + positions % bs
-
-        num_decodes = sum(1 for r in reqs if len(r.token_ids) == 1)
-        dev = self.device
-        decode_tables = decode_mask = decode_lens = None
-        groups = None
-        if num_decodes:
-            nb = max(len(r.block_ids) for r in reqs[:num_decodes])
-            decode_tables = tables[:num_decodes, :nb].to(dev)
-            ctx = starts[:num_decodes] + 1
-            if self.decode_kernel is not None:
-                decode_lens = ctx.to(dev)
-            else:
-                decode_mask = (torch.arange(nb * bs).unsqueeze(0) < ctx.unsqueeze(1)).view(num_decodes, 1, 1, nb * bs)
-                decode_mask = decode_mask.to(dev)
-                groups = split_decode_rows([len(r.block_ids) for r in reqs[:num_decodes]])
-        prefills = [
-            PrefillChunk(
-                int(cu[i] - lens[i]), int(lens[i]), int(starts[i]), tables[i, : len(reqs[i].block_ids)].to(dev)
-            )
-            for i in range(num_decodes, len(reqs))
-        ]
-        sample_rows = [i for i, r in enumerate(reqs) if r.sample]
-        meta = AttentionMetadata(
-            slots.to(dev),
-            num_decodes,
-            decode_tables,
-            decode_mask,
-            prefills,
-            decode_groups=_on_device(groups, dev),
-            decode_kernel=self.decode_kernel,
-            decode_context_lens=decode_lens,
-            prefill_kernel=self.prefill_kernel,
-        )
-        input_ids = torch.tensor([t for r in reqs for t in r.token_ids], device=dev)
-        indices = cu[sample_rows] - 1
-        prompt_rows = [i for i, r in enumerate(reqs) if r.prompt_logprobs is not None]
-        if prompt_rows:
-            extra = []
-            for i in prompt_rows:
-                spec = reqs[i].prompt_logprobs
-                assert spec is not None
-                first = int(cu[i] - lens[i]) + spec.first_pos - 1 - reqs[i].start_pos
-                extra.append(torch.arange(first, first + len(spec.token_ids)))
-            indices = torch.cat([indices, *extra])
-        return StepInputs(
-            input_ids,
-            positions.to(dev),
-            meta,
-            indices.to(dev),
-            [reqs[i] for i in sample_rows],
-            [reqs[i] for i in prompt_rows],
+    def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        return prepare_inputs(
+            sched, self.block_size, self.device, decode_kernel=self.decode_kernel, prefill_kernel=self.prefill_kernel
         )
 
     def _banned_before_min_tokens(self, req: ScheduledRequest) -> list[int] | None:
@@ -342,7 +261,7 @@ class ModelRunner:
         start = time.perf_counter()
         if sched.is_empty:
             return ModelRunnerOutput(sched.step_id, [], [])
-        sched = self._fill_placeholders(sched)
+        sched = fill_placeholders(sched, self._last_sampled)
         reqs = sched.requests
         # One rank: the lm_head waits for sample_tokens, which can pick greedy tokens without the logits.
         # Under tensor parallelism every rank computes them now (gathered across the ranks).
@@ -353,14 +272,14 @@ class ModelRunner:
             lazy = lazy and not self.decode_runner.use_graphs  # a captured forward ends in the logits
             pending.reqs, rows = self._run_padded_decode(reqs, lazy)
         else:
-            inputs = self.prepare_inputs(sched)
+            inputs = self._prepare_inputs(sched)
             pending.reqs, lazy = inputs.sample_reqs, lazy and not inputs.prompt_reqs
             rows = (self.model.final_hidden if lazy else self.model)(
                 inputs.input_ids, inputs.positions, self.cache_engine.device_cache, inputs.meta, inputs.logits_indices
             )
             if inputs.prompt_reqs:
                 if self.tp.rank == 0:  # rank 0 answers for the group
-                    pending.prompt_logprobs = _known_token_logprobs(rows[len(pending.reqs) :], inputs.prompt_reqs)
+                    pending.prompt_logprobs = known_token_logprobs(rows[len(pending.reqs) :], inputs.prompt_reqs)
                 rows = rows[: len(pending.reqs)]
         if not pending.reqs:
             return ModelRunnerOutput(
@@ -415,13 +334,13 @@ class ModelRunner:
         )
         logprobs = None
         greedy = None
-        if pending.hidden is not None and meta.argmax_only and not _asks_logprobs(reqs):
+        if pending.hidden is not None and meta.argmax_only and not asks_logprobs(reqs):
             greedy = self.model.greedy_tokens(pending.hidden)  # the logits never written: [rows, vocab] spared
         if greedy is None:
             logits = self._logits(pending)
             sampled = self.sampler(logits, meta)
             greedy = sampled.token_ids
-            logprobs = _sampled_logprobs(logits, sampled.processed_logits, sampled.token_ids, reqs)
+            logprobs = sampled_logprobs(logits, sampled.processed_logits, sampled.token_ids, reqs)
         if self.tp.size > 1:
             self.tp.broadcast(greedy.to(self.tp.device, torch.int64))
         tokens = greedy.tolist()
@@ -434,23 +353,6 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
-
-    def _fill_placeholders(self, sched: SchedulerOutput) -> SchedulerOutput:
-        """Puts the tokens the previous step sampled in place of their placeholders (async scheduling)."""
-        if not any(r.token_ids and r.token_ids[-1] == PLACEHOLDER_TOKEN_ID for r in sched.requests):
-            return sched
-        reqs = []
-        for r in sched.requests:
-            if r.token_ids and r.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-                token = self._last_sampled.get(r.req_id)
-                if token is None:
-                    raise RuntimeError(
-                        f"request {r.req_id!r} was scheduled with the token of a step that did not "
-                        "sample it (placeholder without a previous sample)"
-                    )
-                r = dataclasses.replace(r, token_ids=[*r.token_ids[:-1], token])
-            reqs.append(r)
-        return dataclasses.replace(sched, requests=reqs)
 
     def _fits_decode_runner(self, reqs: list[ScheduledRequest]) -> bool:
         runner = self.decode_runner
@@ -466,45 +368,12 @@ class ModelRunner:
         """The sampling requests and their rows: the final norm's output where ``lazy`` (and the batch runs
         eager), else logits."""
         assert self.decode_runner is not None
-        width = max(len(r.block_ids) for r in reqs)
-        dev = self.device
-        tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs], device=dev)
-        ids = torch.tensor([r.token_ids[0] for r in reqs], device=dev)
-        positions = torch.tensor([r.start_pos for r in reqs], device=dev)
-        groups = None if self.decode_kernel is not None else split_decode_rows([len(r.block_ids) for r in reqs])
         run = self.decode_runner.run_hidden if lazy else self.decode_runner.run
-        out = run(ids, positions, tables, _on_device(groups, dev))
+        out = run(*padded_decode_inputs(reqs, self.device, self.decode_kernel))
         rows = [i for i, r in enumerate(reqs) if r.sample]
         if len(rows) < len(reqs):  # a one-token prefill chunk that does not end its prompt
             out = out[rows]
         return [reqs[i] for i in rows], out
-
-
-def _on_device(
-    groups: list[tuple[list[int], int]] | None, device: torch.device
-) -> list[tuple[torch.Tensor, int]] | None:
-    return None if groups is None else [(torch.tensor(rows, device=device), width) for rows, width in groups]
-
-
-def _rows(first_pos: int, ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor, k: int) -> LogprobRows:
-    """``LogprobRows`` of the first ``1 + k`` columns of ``gather_logprobs``'s tensors."""
-    return LogprobRows(first_pos, ids[:, : 1 + k].tolist(), values[:, : 1 + k].tolist(), ranks[:, : 1 + k].tolist())
-
-
-def _known_token_logprobs(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> dict[str, LogprobRows]:
-    """Logprobs of the known tokens of each request's ``PromptLogprobsSpec``: ``logits`` holds, request after
-    request, the rows of the positions before them. Always log-softmax of the model's logits."""
-    specs: list[PromptLogprobsSpec] = [r.prompt_logprobs for r in reqs]  # type: ignore[misc]
-    chosen = torch.tensor([t for spec in specs for t in spec.token_ids], device=logits.device)
-    k = max(spec.k for spec in specs)
-    ids, values, ranks = gather_logprobs(logits.float().log_softmax(dim=-1), chosen, k)
-    out = {}
-    row = 0
-    for req, spec in zip(reqs, specs, strict=True):
-        end = row + len(spec.token_ids)
-        out[req.req_id] = _rows(spec.first_pos, ids[row:end], values[row:end], ranks[row:end], spec.k)
-        row = end
-    return out
 
 
 @dataclass(slots=True)
@@ -518,30 +387,3 @@ class _Pending:
     prompt_logprobs: dict[str, LogprobRows] | None = None
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
-
-
-def _asks_logprobs(reqs: list[ScheduledRequest]) -> bool:
-    return any(r.sampling is not None and r.sampling.logprobs is not None for r in reqs)
-
-
-def _sampled_logprobs(
-    raw: torch.Tensor, processed: torch.Tensor | None, tokens: torch.Tensor, reqs: list[ScheduledRequest]
-) -> dict[str, LogprobRows] | None:
-    """The sampled tokens' logprobs for the rows that asked, from the raw or the processed logits per row."""
-    asked = {i: r.sampling for i, r in enumerate(reqs) if r.sampling is not None and r.sampling.logprobs is not None}
-    if not asked:
-        return None
-    out: dict[str, LogprobRows] = {}
-    for mode, source in (("raw", raw), ("processed", processed)):
-        ks = {i: p.logprobs for i, p in asked.items() if p.logprobs_mode == mode and p.logprobs is not None}
-        if not ks:
-            continue
-        assert source is not None, "processed logprobs asked for but the sampler kept no processed logits"
-        rows = list(ks)
-        index = torch.tensor(rows, device=source.device)
-        ids, values, ranks = gather_logprobs(source[index].float().log_softmax(dim=-1), tokens[index], max(ks.values()))
-        for j, i in enumerate(rows):
-            req = reqs[i]
-            position = req.start_pos + len(req.token_ids)
-            out[req.req_id] = _rows(position, ids[j : j + 1], values[j : j + 1], ranks[j : j + 1], ks[i])
-    return out

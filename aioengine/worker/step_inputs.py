@@ -1,0 +1,142 @@
+"""A step's inputs: its scheduled requests, placeholders filled, as the forward's device tensors.
+
+Input preparation is vectorised: one flat token list per step, positions and slot mappings
+computed with tensor ops, never per token in Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from aioengine.messages import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
+from aioengine.model.attention import AttentionMetadata, PrefillChunk, split_decode_rows
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Device tensors of one step, plus which request each sampled row belongs to."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    """Rows of the logits the model computes: one per sampling request, then one per known token whose
+    logprob a request asked for (``prompt_reqs``, in order)."""
+    sample_reqs: list[ScheduledRequest]
+    prompt_reqs: list[ScheduledRequest]
+
+
+def fill_placeholders(sched: SchedulerOutput, last_sampled: dict[str, int]) -> SchedulerOutput:
+    """Puts the tokens the previous step sampled (``last_sampled``, by request) in place of their placeholders
+    (async scheduling)."""
+    if not any(r.token_ids and r.token_ids[-1] == PLACEHOLDER_TOKEN_ID for r in sched.requests):
+        return sched
+    reqs = []
+    for r in sched.requests:
+        if r.token_ids and r.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            token = last_sampled.get(r.req_id)
+            if token is None:
+                raise RuntimeError(
+                    f"request {r.req_id!r} was scheduled with the token of a step that did not "
+                    "sample it (placeholder without a previous sample)"
+                )
+            r = dataclasses.replace(r, token_ids=[*r.token_ids[:-1], token])
+        reqs.append(r)
+    return dataclasses.replace(sched, requests=reqs)
+
+
+def prepare_inputs(
+    sched: SchedulerOutput,
+    block_size: int,
+    device: torch.device,
+    *,
+    decode_kernel: Callable[..., None] | None = None,
+    prefill_kernel: Callable[..., None] | None = None,
+) -> StepInputs:
+    """The inputs of ``sched``'s forward; the attention kernels, where given, go into its metadata (the C++
+    decode attention reads context lengths in place of a mask and row groups)."""
+    # Decodes (one query token) first, then prefill chunks: the attention's layout.
+    reqs = sorted(sched.requests, key=lambda r: len(r.token_ids) != 1)
+    bs = block_size
+    lens = torch.tensor([len(r.token_ids) for r in reqs])
+    starts = torch.tensor([r.start_pos for r in reqs])
+    max_blocks = max(len(r.block_ids) for r in reqs)
+    tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs])
+    cu = torch.cumsum(lens, 0)
+    total = int(cu[-1])
+    row = torch.repeat_interleave(torch.arange(len(reqs)), lens)
+    positions = starts[row] + torch.arange(total) - (cu - lens)[row]
+    slots = tables[row, positions // bs] * bs + positions % bs
+
+    num_decodes = sum(1 for r in reqs if len(r.token_ids) == 1)
+    dev = device
+    decode_tables = decode_mask = decode_lens = None
+    groups = None
+    if num_decodes:
+        nb = max(len(r.block_ids) for r in reqs[:num_decodes])
+        decode_tables = tables[:num_decodes, :nb].to(dev)
+        ctx = starts[:num_decodes] + 1
+        if decode_kernel is not None:
+            decode_lens = ctx.to(dev)
+        else:
+            decode_mask = (torch.arange(nb * bs).unsqueeze(0) < ctx.unsqueeze(1)).view(num_decodes, 1, 1, nb * bs)
+            decode_mask = decode_mask.to(dev)
+            groups = split_decode_rows([len(r.block_ids) for r in reqs[:num_decodes]])
+    prefills = [
+        PrefillChunk(int(cu[i] - lens[i]), int(lens[i]), int(starts[i]), tables[i, : len(reqs[i].block_ids)].to(dev))
+        for i in range(num_decodes, len(reqs))
+    ]
+    sample_rows = [i for i, r in enumerate(reqs) if r.sample]
+    meta = AttentionMetadata(
+        slots.to(dev),
+        num_decodes,
+        decode_tables,
+        decode_mask,
+        prefills,
+        decode_groups=_on_device(groups, dev),
+        decode_kernel=decode_kernel,
+        decode_context_lens=decode_lens,
+        prefill_kernel=prefill_kernel,
+    )
+    input_ids = torch.tensor([t for r in reqs for t in r.token_ids], device=dev)
+    indices = cu[sample_rows] - 1
+    prompt_rows = [i for i, r in enumerate(reqs) if r.prompt_logprobs is not None]
+    if prompt_rows:
+        extra = []
+        for i in prompt_rows:
+            spec = reqs[i].prompt_logprobs
+            assert spec is not None
+            first = int(cu[i] - lens[i]) + spec.first_pos - 1 - reqs[i].start_pos
+            extra.append(torch.arange(first, first + len(spec.token_ids)))
+        indices = torch.cat([indices, *extra])
+    return StepInputs(
+        input_ids,
+        positions.to(dev),
+        meta,
+        indices.to(dev),
+        [reqs[i] for i in sample_rows],
+        [reqs[i] for i in prompt_rows],
+    )
+
+
+def padded_decode_inputs(
+    reqs: list[ScheduledRequest], device: torch.device, decode_kernel: Callable[..., None] | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, int]] | None]:
+    """The inputs of a batch of decodes for ``PaddedDecodeRunner.run``: token ids, positions, block tables
+    padded to the longest, and the torch attention's row groups (None under ``decode_kernel``)."""
+    width = max(len(r.block_ids) for r in reqs)
+    tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs], device=device)
+    ids = torch.tensor([r.token_ids[0] for r in reqs], device=device)
+    positions = torch.tensor([r.start_pos for r in reqs], device=device)
+    groups = None if decode_kernel is not None else split_decode_rows([len(r.block_ids) for r in reqs])
+    return ids, positions, tables, _on_device(groups, device)
+
+
+def _on_device(
+    groups: list[tuple[list[int], int]] | None, device: torch.device
+) -> list[tuple[torch.Tensor, int]] | None:
+    return None if groups is None else [(torch.tensor(rows, device=device), width) for rows, width in groups]
