@@ -106,6 +106,38 @@ def test_freed_blocks_stay_cached_until_needed_and_the_oldest_go_first() -> None
     s.kv.check(s.requests.values())
 
 
+def test_blocks_without_a_prefix_are_handed_out_again_before_fresh_or_cached_ones() -> None:
+    """Without prefix caching every freed block is reused before an untouched one, so requests one after
+    another cycle through as many blocks as they hold at once, not through the whole cache (whose host
+    pages the OS maps as they are first written); with it, a request's partial last block and the untouched
+    blocks go before any cached prefix is evicted."""
+    from aioengine.scheduler.kv_manager import KVBlockManager
+
+    kv = KVBlockManager(1 + 64, BLOCK)
+    used: set[int] = set()
+    for i in range(20):
+        r = request(f"r{i}", list(range(100, 100 + 5 * BLOCK - i % 3)))
+        assert kv.allocate(r, len(r.token_ids))
+        used.update(r.block_ids)
+        kv.free(r)
+        kv.check([])
+    assert used == {1, 2, 3, 4, 5}
+
+    s, cache, truth = caching_scheduler(num_cache_blocks=1 + 16), FakeCache(), {}
+    first, second = [1000 + i for i in range(25)], [2000 + i for i in range(25)]
+    finish(s, cache, truth, request("a", first, max_tokens=1))
+    finish(s, cache, truth, request("b", second, max_tokens=1))
+    # Free now: a's and b's 6 cached blocks each, their partial last blocks and 2 untouched ones.
+    finish(s, cache, truth, request("c", [3000 + i for i in range(25)], max_tokens=1))  # 7 blocks
+    # The 4 without a prefix went first, then a's 3 last ones (the oldest cached): its first 3 survive.
+    assert cached_tokens(s, request("a2", first)) == 3 * BLOCK
+    assert cached_tokens(s, request("b2", second)) == 24
+    s.kv.check(s.requests.values())
+    assert s.kv.reset(weights_version=1) == 3 + 6 + 6  # every cached block is free: all go on top
+    s.kv.check(s.requests.values())
+    assert s.kv.num_free_blocks == 16
+
+
 def test_a_hit_on_a_free_block_takes_it_out_of_the_free_queue() -> None:
     s, cache, truth = caching_scheduler(), FakeCache(), {}
     finish(s, cache, truth, request("a", [*PREFIX, 1], max_tokens=1))

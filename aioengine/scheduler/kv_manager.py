@@ -28,9 +28,14 @@ class KVBlockManager:
 
     With prefix caching, every full block whose tokens are known is registered under its ``BlockKey``.
     A freed block keeps its contents and its key and waits in the free queue, least recently freed first;
-    it leaves the cache only when a new block is needed and it is the oldest (every operation O(1)). A new
-    request's leading full blocks that are cached are taken instead of computed (``cached_prefix``,
-    ``adopt``); ``reset`` forgets every key (new weights, a sleep, on demand).
+    it leaves the cache only when a new block is needed, no block without a key is free and it is the
+    oldest (every operation O(1)). A new request's leading full blocks that are cached are taken instead
+    of computed (``cached_prefix``, ``adopt``); ``reset`` forgets every key (new weights, a sleep, on demand).
+
+    Free blocks that hold no prefix (never used, a request's last partial block, every block without
+    prefix caching) are handed out first, the most recently freed on top: its memory is mapped and likely
+    still in the CPU's caches, and a host cache the OS maps as blocks are first written (``host_zeros``)
+    grows only as far as the most blocks ever held at once instead of, block by block, to all of it.
     """
 
     def __init__(self, num_cache_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
@@ -39,10 +44,10 @@ class KVBlockManager:
         self.num_cache_blocks = num_cache_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._free: OrderedDict[int, None] = OrderedDict(
-            (b, None) for b in range(num_cache_blocks) if b != NULL_BLOCK_ID
-        )
-        """Blocks no request holds, the next to be reused first."""
+        self._free: OrderedDict[int, None] = OrderedDict()
+        """Blocks no request holds that hold a cached prefix, least recently freed first."""
+        self._plain: list[int] = [b for b in reversed(range(num_cache_blocks)) if b != NULL_BLOCK_ID]
+        """Blocks no request holds that hold no prefix, the next to be handed out last (block 1 first)."""
         self._refs = [0] * num_cache_blocks
         self._keys: list[BlockKey | None] = [None] * num_cache_blocks
         self.cached: dict[BlockKey, int] = {}
@@ -71,7 +76,7 @@ class KVBlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds (cached ones among them: they are reused when needed)."""
-        return len(self._free)
+        return len(self._free) + len(self._plain)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -92,7 +97,7 @@ class KVBlockManager:
             index = write_from // self.block_size
             if index < len(blocks) and self._refs[blocks[index]] > 1:
                 shared = index
-        if need + (shared is not None) > len(self._free):
+        if need + (shared is not None) > self.num_free_blocks:
             return False
         if shared is not None:
             src = blocks[shared]
@@ -112,12 +117,13 @@ class KVBlockManager:
         target.cache_epoch = source.cache_epoch
 
     def free(self, request: Request) -> None:
-        """Drops the request's hold on its blocks; a block no one holds goes to the end of the free queue
-        (the request's last block first, so its first blocks, which others share most, stay cached longest)."""
+        """Drops the request's hold on its blocks; a block no one holds goes to the end of the free queue if it
+        holds a prefix (the request's last block first, so its first blocks, which others share most, stay
+        cached longest), else on top of the blocks handed out first."""
         for block in reversed(request.block_ids):
             self._refs[block] -= 1
             if self._refs[block] == 0:
-                self._free[block] = None
+                self._release(block)
         request.block_ids = []
         request.num_registered_blocks = 0
 
@@ -126,13 +132,24 @@ class KVBlockManager:
         copies, self.pending_copies = self.pending_copies, {}
         return copies
 
+    def _release(self, block: int) -> None:
+        """Puts a block no one holds with the free blocks: in the queue if it holds a prefix, else on top."""
+        if self._keys[block] is not None:
+            self._free[block] = None
+        else:
+            self._plain.append(block)
+
     def _take(self) -> int:
-        """The next free block, dropped from the cache if it held a prefix."""
-        block, _ = self._free.popitem(last=False)
-        key = self._keys[block]
-        if key is not None:
-            del self.cached[key]
-            self._keys[block] = None
+        """The next free block: the one that held no prefix freed last, else the oldest cached one (dropped
+        from the cache)."""
+        if self._plain:
+            block = self._plain.pop()
+        else:
+            block, _ = self._free.popitem(last=False)
+            key = self._keys[block]
+            if key is not None:
+                del self.cached[key]
+                self._keys[block] = None
         self._refs[block] = 1
         return block
 
@@ -198,18 +215,25 @@ class KVBlockManager:
             key = self._keys[block]
             if key is not None and self.cached.get(key) == block:
                 del self.cached[key]
-            self._keys[block] = None
+            self._forget(block)
 
     def reset(self, weights_version: int) -> int:
         """Forgets every cached prefix (the KV would differ now); blocks in use stay with their requests.
         Returns how many blocks were cached."""
         count = len(self.cached)
         for block in self.cached.values():
-            self._keys[block] = None
+            self._forget(block)
         self.cached.clear()
         self.epoch += 1
         self.weights_version = weights_version
         return count
+
+    def _forget(self, block: int) -> None:
+        """Drops the block's key; a free one moves from the queue of cached blocks to those handed out first."""
+        self._keys[block] = None
+        if block in self._free:
+            del self._free[block]
+            self._plain.append(block)
 
     def _start_epoch(self, request: Request) -> None:
         """A request looking up the cache computes its KV now: it belongs to the current epoch."""
@@ -240,8 +264,13 @@ class KVBlockManager:
                 holders[block] += 1
         assert holders[NULL_BLOCK_ID] == 0, "the null block is held by a request"
         assert holders == self._refs, "block reference counts differ from the requests holding them"
-        assert all(self._refs[b] == 0 for b in self._free), "a held block is in the free queue"
-        assert len(self._free) + sum(1 for r in self._refs if r) == self.num_usable_blocks, "a block is lost"
+        free = [*self._free, *self._plain]
+        assert all(self._refs[b] == 0 for b in free), "a held block is among the free ones"
+        assert len(set(free)) == len(free), "a free block is listed twice"
+        assert NULL_BLOCK_ID not in free, "the null block is among the free ones"
+        assert all(self._keys[b] is not None for b in self._free), "a block without a key waits with the cached ones"
+        assert all(self._keys[b] is None for b in self._plain), "a cached block waits with those handed out first"
+        assert len(free) + sum(1 for r in self._refs if r) == self.num_usable_blocks, "a block is lost"
         for key, block in self.cached.items():
             assert self._keys[block] == key, f"block {block} is cached under a key it does not hold"
         keyed = [b for b, key in enumerate(self._keys) if key is not None]
