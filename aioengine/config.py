@@ -278,7 +278,7 @@ class DeviceConfig(_Section):
         description=(
             "With cpu_weight_prepack: keep each linear layer's plain weight beside its reordered copy (twice the "
             "memory, and a weight swap writes both). Off, the plain parameters of those layers are meta "
-            "placeholders: worker extensions read weights with aioengine.model.linear.dense_parameters(model)."
+            "placeholders: worker extensions read weights with aioengine.model.packing.dense_parameters(model)."
         ),
     )
 

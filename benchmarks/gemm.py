@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from aioengine.config import SchedulerConfig
 from aioengine.model import cpu_kernels
-from aioengine.model.linear import Linear, cpu_prepack_supported, set_weight_prepack
+from aioengine.model.linear import Linear, cpu_prepack_supported
+from aioengine.model.packing import set_weight_prepack
 from benchmarks.ceiling import ModelShape
 from benchmarks.workload import MODELS, checkpoint
 

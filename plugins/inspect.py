@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from aioengine.errors import AIOEngineError
-from aioengine.model.linear import dense_parameters
+from aioengine.model.packing import dense_parameters
 
 __all__ = ["InspectExtension", "tensor_checksum"]
 

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from aioengine import AsyncEngine, EngineStats, RequestOutput
-from aioengine.model.linear import Linear, released_linears, set_weight_prepack
+from aioengine.model.linear import Linear
+from aioengine.model.packing import released_linears, set_weight_prepack
 
 TIMEOUT = 60.0
 """Seconds any single await on the engine may take: a hung stream fails its test, not the run."""

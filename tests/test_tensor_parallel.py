@@ -30,8 +30,8 @@ from aioengine import AsyncEngine, SamplingParams
 from aioengine.config import EngineConfig
 from aioengine.errors import CheckpointError, EngineDeadError, RequestAbortedError, UnsupportedModelError
 from aioengine.executor.multiproc import MultiprocExecutor
-from aioengine.model.linear import dense_parameters
 from aioengine.model.loader import checkpoint_files
+from aioengine.model.packing import dense_parameters
 from aioengine.testing import build_checkpoint
 from aioengine.worker.weights import tensor_source
 from plugins.weight_sync import broadcast_weights, free_port, leave_group, trainer_group, weight_metadata

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from aioengine import AsyncEngine, RequestOutput, SamplingParams
-from aioengine.model.linear import dense_parameters
+from aioengine.model.packing import dense_parameters
 from aioengine.testing import build_checkpoint, build_tokenizer
 from tests.helpers import TIMEOUT, hf_generate
 

@@ -18,7 +18,8 @@ from torch import nn
 from aioengine.model import one_call
 from aioengine.model.attention import AttentionMetadata, paged_attention
 from aioengine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabEmbedding
-from aioengine.model.linear import Linear, RowParallelLinear, mark_packed_weights_stale
+from aioengine.model.linear import Linear, RowParallelLinear
+from aioengine.model.packing import mark_packed_weights_stale
 from aioengine.model.parallel import SINGLE, TensorParallel
 from aioengine.model.tp_layout import split_heads
 

@@ -21,9 +21,10 @@ from aioengine.messages import (
 from aioengine.model import cpu_kernels
 from aioengine.model.hf_config import CheckpointConfig, load_hf_config
 from aioengine.model.layers import use_cpu_kernels
-from aioengine.model.linear import cpu_prepack_supported, drop_packed_weights, release_plain_weights, set_weight_prepack
+from aioengine.model.linear import cpu_prepack_supported
 from aioengine.model.llama import LlamaForCausalLM, tp_heads
 from aioengine.model.loader import load_model, resolve_dtype, resolve_max_model_len
+from aioengine.model.packing import drop_packed_weights, release_plain_weights, set_weight_prepack
 from aioengine.model.parallel import SINGLE, TensorParallel
 from aioengine.sampling.sampler import Sampler, SamplingMetadata
 from aioengine.worker.cache_engine import CacheEngine
