@@ -129,9 +129,11 @@ void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, c
   const float* sp = sin.data_ptr<float>();
   auto rotate = [&](at::Tensor& x, int64_t t) {
     float* base = x.data_ptr<float>() + t * x.stride(0);
+    const float* c = cp + pp[t] * D;
+    const float* s = sp + pp[t] * D;
     for (int64_t h = 0; h < x.size(1); ++h) {
       float* v = base + h * x.stride(1);
-      rotate_head(v, v, cp + pp[t] * D, sp + pp[t] * D, half);
+      rotate_head(v, v, c, s, half);
     }
   };
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {

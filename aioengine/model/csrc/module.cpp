@@ -41,8 +41,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release_gil());
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (CPU, float32)", release_gil());
   m.def("pack_rows", &pack_rows, "Rows of a linear weight into its oneDNN-reordered copy in place, and optionally "
-        "into the plain weight; whether every value was finite (CPU, float32)", py::arg("src"), py::arg("row_offset"), py::arg("dst_address"),
-        py::arg("dst_floats"), py::arg("block"), py::arg("block_stride"), py::arg("plain") = py::none(), release_gil());
+        "into the plain weight; whether every value was finite (CPU, float32)", py::arg("src"), py::arg("row_offset"),
+        py::arg("dst_address"), py::arg("dst_floats"), py::arg("block"), py::arg("block_stride"),
+        py::arg("plain") = py::none(), release_gil());
   m.def("copy_weight", &copy_weight, "dst = src past the caches; whether every value was finite (CPU, float32)",
         py::arg("dst"), py::arg("src"), release_gil());
   m.def("row_blocks_equal", &row_blocks_equal, "Whether a oneDNN-reordered copy holds the weight under pack_rows' "

@@ -132,9 +132,10 @@ bool pack_rows(const at::Tensor& src, int64_t row_offset, int64_t dst_address, i
 // store of part of a line first reads it in). Returns whether every value is finite, read from each chunk
 // while it is in cache.
 bool copy_weight(at::Tensor& dst, const at::Tensor& src) {
-  TORCH_CHECK(dst.scalar_type() == at::kFloat && src.scalar_type() == at::kFloat && dst.is_contiguous() &&
-                  src.is_contiguous() && dst.numel() == src.numel(),
-              "copy_weight: dst and src must be contiguous float32 tensors of one size");
+  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && dst.scalar_type() == at::kFloat &&
+                  src.scalar_type() == at::kFloat && dst.is_contiguous() && src.is_contiguous() &&
+                  dst.numel() == src.numel(),
+              "copy_weight: dst and src must be contiguous float32 CPU tensors of one size");
   TORCH_CHECK(dst.data_ptr<float>() != src.data_ptr<float>(), "copy_weight: dst is src");
   float* out = dst.data_ptr<float>();
   const float* in = src.data_ptr<float>();
