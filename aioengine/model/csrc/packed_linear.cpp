@@ -18,8 +18,11 @@ constexpr int kTileRows = 6;
 // values of x and issues MR * NV fused multiply-adds. With `accumulate` the accumulators start from out
 // (the sums of the earlier K chunks) instead of zero; a float stored and loaded back is the same float, so
 // the sums are bitwise those of one pass over the whole of K. `lines` cache lines from `prefetch` on are
-// fetched into L2 over the steps (none when 0), at most one a step (past K lines the rest is left to the next
-// block's first tile; two a step measured 0.93x at one row), spread evenly over all K steps. Gaps of
+// fetched into L2 over the steps (none when 0), at most PER a step (past PER * K lines the rest is left to the
+// next block's first tile), spread evenly over all K steps. PER is 1 but where a tile of 2-5 rows has more
+// lines than steps (block_rows): a decode step of 8-16 rows, whose two or three tiles of a block share out
+// the next block's 4 K lines. There two a step reached 1.07-1.17x at 8-16 rows of the real model's shapes
+// from memory (1.14x at 8), level at 1-4 (one row keeps one a step: two measured 0.93x there). Gaps of
 // K / lines steps alone bunch them into the first steps (at 32 rows a tile's 384 lines went one a step into
 // the first 384 of 576 steps, faster than memory serves them while the FMAs wait): a running remainder
 // makes some gaps a step longer. With the halves' split in row_block_gemm, over 30 layers of the real
@@ -27,7 +30,7 @@ constexpr int kTileRows = 6;
 // 1.04x at 64, 1.07x at 32 rows of a Qwen2.5-0.5B shape, level (within 3%) at 1-8 and 128-512; a whole
 // decode step of the engine, where attention and the norms sit between the GEMMs, moved less than its spread.
 // With `into_l1` the lines are asked for into L1 (they land in L2 as well): row_block_gemm's choice below.
-template <int MR, int NV>
+template <int MR, int NV, int PER>
 void gemm_tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K, float* __restrict out,
                int64_t ldo, int64_t ncols, bool accumulate, const float* __restrict bias, const float* prefetch,
                int64_t lines, bool into_l1) {
@@ -42,20 +45,32 @@ void gemm_tile(const float* __restrict x, int64_t ldx, const float* __restrict w
     for (int v = 0; v < NV; ++v)
       acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(masks[v], out + r * ldo + 16 * v) : _mm512_setzero_ps();
   // Counted down: a division per step would hold the FMA port.
-  const int64_t issue = std::min(lines, K);
-  const int64_t gap = issue > 0 ? K / issue : K + 1, longer = issue > 0 ? K % issue : 0;
+  // PER 1 has a branch of its own: the general loop's code ran 1-3% slower at 24-64 rows.
+  const int64_t issue = std::min(lines, PER * K), events = PER == 1 ? issue : (issue + PER - 1) / PER;
+  const int64_t gap = events > 0 ? K / events : K + 1, longer = events > 0 ? K % events : 0;
   int64_t issued = 0, until = 0, carry = 0;
   for (int64_t k = 0; k < K; ++k) {
     if (until-- == 0) {
-      if (issued < issue) {
-        if (into_l1) __builtin_prefetch(prefetch + 16 * issued, 0, 3);
-        else __builtin_prefetch(prefetch + 16 * issued, 0, 2);
-        ++issued;
+      if constexpr (PER == 1) {
+        if (issued < issue) {
+          if (into_l1) __builtin_prefetch(prefetch + 16 * issued, 0, 3);
+          else __builtin_prefetch(prefetch + 16 * issued, 0, 2);
+          ++issued;
+        }
+      } else {
+#pragma GCC unroll 4
+        for (int j = 0; j < PER; ++j) {
+          if (issued < issue) {
+            if (into_l1) __builtin_prefetch(prefetch + 16 * issued, 0, 3);
+            else __builtin_prefetch(prefetch + 16 * issued, 0, 2);
+            ++issued;
+          }
+        }
       }
       until = gap - 1;
       carry += longer;
-      if (carry >= issue) {
-        carry -= issue;
+      if (carry >= events) {
+        carry -= events;
         ++until;
       }
     }
@@ -141,15 +156,18 @@ constexpr int64_t kGemmChunkK = 2048;
 // threads would leave one idle a ninth of the time).
 constexpr int64_t kChunkRows = 1024;
 
-template <int... R>
+template <int PER, int... R>
 constexpr std::array<GemmTile, sizeof...(R)> gemm_tiles(std::integer_sequence<int, R...>) {
 #if defined(__AVX512F__)
-  return {&gemm_tile<R + 1, 4>...};
+  return {&gemm_tile<R + 1, 4, PER>...};
 #else
-  return {&gemm_tile<R + 1>...};
+  return {&gemm_tile<R + 1>...};  // one line a step (block_rows asks for two only of a whole-block tile)
 #endif
 }
-constexpr auto kGemmTiles = gemm_tiles(std::make_integer_sequence<int, kTileRows>{});
+// [prefetched lines a step - 1][rows - 1]
+constexpr std::array<std::array<GemmTile, kTileRows>, 2> kGemmTiles = {
+    gemm_tiles<1>(std::make_integer_sequence<int, kTileRows>{}),
+    gemm_tiles<2>(std::make_integer_sequence<int, kTileRows>{})};
 
 // mr rows x the ncols columns of one block, as tiles across it (one in AVX-512 builds, up to four in AVX2):
 // gemm_tile's arguments, the `lines` to prefetch shared out over the tiles in order.
@@ -159,7 +177,8 @@ inline void block_rows(int64_t mr, const float* x, int64_t ldx, const float* w, 
   const int64_t tiles = (ncols + kTileColumns - 1) / kTileColumns;
   for (int64_t c = 0; c < tiles; ++c) {
     const int64_t from = lines * c / tiles, to = lines * (c + 1) / tiles, col = c * kTileColumns;
-    kGemmTiles[mr - 1](x, ldx, w + col, K, out + col, ldo, ncols - col, accumulate,
+    const bool two = kTileColumns == kGemmBlock && mr >= 2 && to - from > K;  // AVX-512: one tile a block
+    kGemmTiles[two ? 1 : 0][mr - 1](x, ldx, w + col, K, out + col, ldo, ncols - col, accumulate,
                        bias != nullptr ? bias + col : nullptr, prefetch != nullptr ? prefetch + 16 * from : nullptr,
                        to - from, into_l1);
   }
