@@ -9,7 +9,8 @@ go from step to step without waiting for the loop; publishing N's outputs overla
 Control calls (sleep, wake, weight updates, pause / resume) take ``core.control()``: one at a time,
 they hold the loop between two steps in a defined way (``ControlSession.quiesce``) and run their
 worker call shielded (``ControlSession.run``), and leaving the session always lets the loop go on,
-unless the call paused generation (``core.paused``): that holds until a resume.
+unless the call paused generation (``core.paused``): that holds until a resume. ``ControlSession`` and
+``QuiesceMode`` are in ``aioengine.engine.control_session``.
 """
 
 from __future__ import annotations
@@ -18,77 +19,22 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Coroutine
-from typing import Any, Literal, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
+from aioengine.engine.control_session import ControlSession, QuiesceMode
 from aioengine.engine.outputs import IncrementalDetokenizer, OutputCollector
 from aioengine.engine.request_state import RequestKind, RequestState
 from aioengine.engine.state import MemoryState
-from aioengine.errors import EngineDeadError, EngineStateError, InvalidRequestError, RequestAbortedError
+from aioengine.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from aioengine.executor.base import Executor
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput, WorkerWeightsReport
 from aioengine.scheduler.request import Request, RequestStatus
 from aioengine.scheduler.scheduler import RequestUpdate, Scheduler
 
+__all__ = ["ControlSession", "EngineCore", "QuiesceMode"]
+
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-QuiesceMode = Literal["pause", "drain", "abort", "preempt"]
-"""What happens to accepted requests when a control call stops the loop: "pause" keeps them as they are
-(they go on after), "drain" finishes them first (new ones wait), "abort" ends them (finish_reason
-"abort"), "preempt" drops their KV (recomputed after, nothing lost)."""
-
-
-class ControlSession:
-    """One control call's hold on the engine, from ``EngineCore.control()``."""
-
-    def __init__(self, core: EngineCore) -> None:
-        self._core = core
-        self.aborted = 0
-        self.preempted = 0
-        self._outstanding: asyncio.Task[Any] | None = None
-
-    async def quiesce(self, mode: QuiesceMode) -> None:
-        """Stops the loop between two steps; returns once no step is in flight. A step queued behind the
-        running one is revoked where it can be (``EngineCore.revoke_queued_step``), so only one is waited for.
-
-        "drain" on an engine that cannot serve (asleep, weights discarded) or whose generation is paused
-        raises EngineStateError with queued requests, since they could never finish.
-        """
-        core = self._core
-        if mode == "drain":
-            if not core.memory.can_serve and core.scheduler.has_unfinished_requests():
-                raise EngineStateError(
-                    f"cannot drain: {core.memory.why_not_serving()}, so the "
-                    f"{len(core.scheduler.requests)} queued requests could never finish; choose another mode"
-                )
-            if core.paused and core.scheduler.has_unfinished_requests():
-                raise EngineStateError(
-                    f"cannot drain: generation is paused (pause_generation), so the {len(core.scheduler.requests)} "
-                    "requests it holds could never finish; call resume_generation() first, or choose another mode"
-                )
-            core._hold_admission = True  # new requests wait in `held` until the session ends
-            await core._until_idle()
-        core._quiesced = True
-        core.revoke_queued_step()
-        if mode == "abort":
-            self.aborted = core.abort_all()
-        await core._until_idle()
-        if mode == "preempt":
-            self.preempted = core.scheduler.preempt_all()
-
-    async def run(self, work: Coroutine[Any, Any, T]) -> T:
-        """Runs ``work`` (a worker call and the recording of its outcome) to its end even if the caller
-        is cancelled or times out: the cancellation reaches the caller, while the engine stays held until
-        the call is over, so its state always matches the workers'."""
-        task = asyncio.ensure_future(work)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if not task.done():
-                self._outstanding = task
-            raise
 
 
 class EngineCore:
