@@ -10,19 +10,22 @@ named by ``AIOENGINE_CONFIG``, else none. ``config.example.toml`` documents ever
 field. Invalid values raise :class:`pydantic.ValidationError` at construction,
 naming the field (``cache.block_size``).
 
-This is a bottom module: it imports nothing from aioengine and never torch.
+The sections themselves, one model per layer with its defaults and checks, live in
+``aioengine.config_sections``; this module gathers them from their sources and
+offers every name of theirs too.
+
+This is a bottom module: it imports nothing from aioengine but its sections, and never torch.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -30,6 +33,20 @@ from pydantic_settings import (
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+
+from aioengine.config_sections import CacheConfig as CacheConfig
+from aioengine.config_sections import CompileConfig as CompileConfig
+from aioengine.config_sections import DeviceConfig as DeviceConfig
+from aioengine.config_sections import DType as DType
+from aioengine.config_sections import LoadConfig as LoadConfig
+from aioengine.config_sections import ModelConfig as ModelConfig
+from aioengine.config_sections import ParallelConfig as ParallelConfig
+from aioengine.config_sections import PreemptionMode as PreemptionMode
+from aioengine.config_sections import ProfilerConfig as ProfilerConfig
+from aioengine.config_sections import SchedulerConfig as SchedulerConfig
+from aioengine.config_sections import SleepConfig as SleepConfig
+from aioengine.config_sections import TokenizerMode as TokenizerMode
+from aioengine.config_sections import _Section
 
 __all__ = [
     "CONFIG_ENV_VAR",
@@ -48,304 +65,9 @@ __all__ = [
 CONFIG_ENV_VAR = "AIOENGINE_CONFIG"
 """Environment variable naming the TOML file when ``from_toml`` is not used."""
 
-DType = Literal["auto", "float32", "float16", "bfloat16"]
-TokenizerMode = Literal["auto", "hf"]
-PreemptionMode = Literal["recompute", "swap"]
-"""A request preempted when KV blocks run out: its blocks freed and computed again on resume, or copied
-to the host pool and back."""
-
 # The TOML path of the EngineConfig being built in this thread/task. A ContextVar
 # rather than a class attribute so concurrent from_toml calls cannot see each other's.
 _toml_path: ContextVar[Path | None] = ContextVar("aioengine_config_toml_path", default=None)
-
-_DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
-_DOTTED_NAME_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
-
-
-def _check_dotted_name(value: str) -> str:
-    if not _DOTTED_NAME_RE.fullmatch(value):
-        raise ValueError(f"expected an importable 'module.Qualname' such as 'mypkg.ext.MyExtension', got {value!r}")
-    return value
-
-
-class _Section(BaseModel):
-    """Base of every section: unknown keys are errors, so a typo never passes silently."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-def _path_to_str(value: Any) -> Any:
-    return os.fspath(value) if isinstance(value, os.PathLike) else value
-
-
-class ModelConfig(_Section):
-    """Which checkpoint to serve and how to load its weights."""
-
-    _paths_as_str = field_validator("path", "tokenizer", mode="before")(_path_to_str)
-
-    path: str | None = Field(
-        None,
-        description=(
-            "HF checkpoint directory. None: the embedded default model (SmolLM2-135M-Instruct, fetched and "
-            "converted once; the random-init demo model when it cannot be had)."
-        ),
-    )
-    tokenizer: str | None = Field(None, description="Tokenizer directory. None uses the checkpoint directory (`path`).")
-    tokenizer_mode: TokenizerMode = Field(
-        "auto",
-        description=(
-            "'auto': aioengine's own tokenizer on the `tokenizers` library (no transformers import at start-up) when "
-            "the directory has a tokenizer.json and nothing it does not reproduce, else transformers' AutoTokenizer; "
-            "'hf': always AutoTokenizer."
-        ),
-    )
-    dtype: DType = Field(
-        "auto",
-        description="Weight and activation dtype. 'auto' is float32 on CPU, the checkpoint's dtype on CUDA.",
-    )
-    max_model_len: int | None = Field(
-        None,
-        ge=1,
-        description="Longest sequence (prompt + output) in tokens. None takes it from the checkpoint config.",
-    )
-    seed: int = Field(0, description="Seed of the random generators used for sampling.")
-    max_logprobs: int = Field(
-        20,
-        ge=0,
-        description="The most top logprobs a request may ask for (SamplingParams.logprobs / prompt_logprobs).",
-    )
-
-
-class CacheConfig(_Section):
-    """The paged KV cache."""
-
-    block_size: int = Field(16, description="Tokens per KV cache block: a power of two from 1 to 256.")
-    num_blocks: int | None = Field(
-        None, ge=1, description="Number of KV cache blocks (one of them is the null block). None: sized from memory."
-    )
-    kv_cache_memory_bytes: int | None = Field(
-        None,
-        ge=1,
-        description="Host memory for the KV cache on CPU, in bytes. None: a share of free memory.",
-    )
-    memory_utilization: float = Field(
-        0.9,
-        gt=0.0,
-        le=1.0,
-        description="Fraction of device memory (0 < x <= 1) the engine may use on CUDA, KV cache included.",
-    )
-    cache_dtype: DType = Field("auto", description="KV cache dtype. 'auto' uses the model dtype.")
-    swap_space_bytes: int = Field(
-        1 << 30,
-        ge=0,
-        description="Host memory (pinned on CUDA) for KV blocks swapped out by preemption; used only with "
-        "scheduler.preemption_mode = 'swap'.",
-    )
-    enable_prefix_caching: bool = Field(
-        True,
-        description="Reuse the KV of full blocks that an earlier request computed for the same leading tokens "
-        "(system prompts, chat history, the same prompt again); emptied on every weight write and sleep.",
-    )
-
-    @field_validator("block_size")
-    @classmethod
-    def _block_size_is_power_of_two(cls, value: int) -> int:
-        if not (1 <= value <= 256 and value & (value - 1) == 0):
-            raise ValueError(f"block_size must be a power of two from 1 to 256 (1, 2, 4, ..., 256), got {value}")
-        return value
-
-
-class SchedulerConfig(_Section):
-    """How many sequences and tokens one engine step may batch.
-
-    Without chunked prefill a whole prompt must fit in ``max_num_batched_tokens``;
-    the engine checks that against ``max_model_len`` once the model is known.
-    """
-
-    max_num_seqs: int = Field(64, ge=1, description="Most sequences running in one step.")
-    max_num_batched_tokens: int = Field(512, ge=1, description="Most tokens (prefill + decode) computed in one step.")
-    enable_chunked_prefill: bool = Field(
-        True, description="Split long prompts over several steps so decodes keep running."
-    )
-    async_scheduling: bool = Field(
-        True,
-        description=(
-            "Schedule step N+1 while step N runs, its new tokens standing in as placeholders the worker fills "
-            "in, so the worker never waits for the event loop between steps. A request that ends on EOS or a "
-            "stop token still runs one step more (its token is dropped); on a stop string, up to two."
-        ),
-    )
-    preemption_mode: PreemptionMode = Field(
-        "recompute",
-        description=(
-            "What happens to a request preempted when KV blocks run out: 'recompute' frees its blocks and "
-            "computes them again when it resumes; 'swap' copies them to a host pool of cache.swap_space_bytes "
-            "and back (recompute when the pool is full)."
-        ),
-    )
-
-
-class ParallelConfig(_Section):
-    """How many workers run the model and where they live."""
-
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
-
-    tensor_parallel_size: int = Field(1, ge=1, description="Number of workers the model is sharded over.")
-    distributed_executor_backend: Literal["thread", "mp", "ray"] = Field(
-        "thread",
-        description=(
-            "Where workers run: a thread, subprocesses ('mp') or Ray actors. tensor_parallel_size > 1 needs "
-            "'mp' or 'ray'."
-        ),
-    )
-    step_timeout_s: float = Field(
-        300.0,
-        gt=0,
-        description=(
-            "mp / ray: a model step or collective still running after this many seconds means a worker rank "
-            "hangs; the engine then reports dead and fails every request (as when a rank dies)."
-        ),
-    )
-    ray_address: str | None = Field(
-        None,
-        description=(
-            "ray: the cluster to connect to ('auto' for the one running on this machine, 'HOST:PORT', or "
-            "'ray://HOST:PORT' for Ray Client). None uses Ray when this process already initialized it, else "
-            "starts a private local Ray instance for the engine (stopped with it)."
-        ),
-    )
-    worker_cls: str = Field(
-        "auto",
-        description="Worker class as 'module.Qualname'; 'auto' picks the CPU or CUDA worker for the device.",
-    )
-    worker_extension_cls: str | type | None = Field(
-        None,
-        description=(
-            "Mixin added to the worker class, as 'module.Qualname' or (from Python only) the class itself. "
-            "Its methods become callable through collective_rpc."
-        ),
-    )
-
-    @field_validator("worker_cls")
-    @classmethod
-    def _worker_cls_is_dotted(cls, value: str) -> str:
-        return value if value == "auto" else _check_dotted_name(value)
-
-    @field_validator("worker_extension_cls")
-    @classmethod
-    def _worker_extension_cls_is_dotted(cls, value: str | type | None) -> str | type | None:
-        return _check_dotted_name(value) if isinstance(value, str) else value
-
-
-class DeviceConfig(_Section):
-    """The device the model runs on."""
-
-    device: str = Field("auto", description="'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
-    num_threads: int | None = Field(
-        None,
-        ge=1,
-        description=(
-            "torch intra-op threads on CPU (per rank). None keeps torch's default, or with tensor_parallel_size "
-            "> 1 gives each rank an equal share of the host's cores."
-        ),
-    )
-    cpu_kernels: bool = Field(
-        True,
-        description=(
-            "CPU, float32: use aioengine's C++ paged decode attention, built once on first use (needs a C++ "
-            "compiler and ninja; about 30 s, then cached). Without them the torch path runs, with a warning."
-        ),
-    )
-    cpu_weight_prepack: bool = Field(
-        True,
-        description=(
-            "CPU, float32: run the linear layers from oneDNN-reordered copies of their weights (much faster "
-            "small-batch GEMMs than MKL's sgemm). Where aioengine's kernels rewrite a copy in place, the copy is "
-            "the weight's one store (see cpu_keep_plain_weights); else it is a second copy in memory."
-        ),
-    )
-    cpu_greedy_screen: bool = Field(
-        True,
-        description=(
-            "CPU, float32, AVX512-BF16 hosts: greedy steps find the lm_head's argmax from a bfloat16 copy of its "
-            "weight, summing in float32 only the rows that copy cannot rule out: the same tokens, bit for bit, "
-            "at about half the lm_head's cost, for half its weight's bytes again in memory (made on the first "
-            "greedy step, again after a weight swap, freed by sleep)."
-        ),
-    )
-    cpu_keep_plain_weights: bool = Field(
-        False,
-        description=(
-            "With cpu_weight_prepack: keep each linear layer's plain weight beside its reordered copy (twice the "
-            "memory, and a weight swap writes both). Off, the plain parameters of those layers are meta "
-            "placeholders: worker extensions read weights with aioengine.model.packing.dense_parameters(model)."
-        ),
-    )
-
-    @field_validator("device")
-    @classmethod
-    def _device_is_known(cls, value: str) -> str:
-        if not _DEVICE_RE.fullmatch(value):
-            raise ValueError(
-                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a device index, e.g. 'cuda:0'), got {value!r}"
-            )
-        return value
-
-
-class LoadConfig(_Section):
-    """How checkpoint weights are read."""
-
-    load_format: Literal["safetensors"] = Field(
-        "safetensors",
-        description="Weight file format. Only safetensors: pickle formats (.bin, .pt) can run code; refused.",
-    )
-    strict: bool = Field(True, description="Fail on checkpoint tensors the model does not use. False ignores them.")
-
-
-class CompileConfig(_Section):
-    """Decode-step capture: CUDA graphs on CUDA, the same padded-bucket path run eagerly on CPU."""
-
-    enforce_eager: bool = Field(
-        False, description="Run every step eagerly: no CUDA graphs, no padding of decode batches to buckets."
-    )
-    cuda_graph_sizes: list[int] | None = Field(
-        None,
-        description=(
-            "Decode batch sizes to capture (batches are padded up to the next one). "
-            "None: 1, 2, 4, 8, then multiples of 8 up to scheduler.max_num_seqs."
-        ),
-    )
-
-    @field_validator("cuda_graph_sizes")
-    @classmethod
-    def _sizes_are_positive(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and (not value or any(size < 1 for size in value)):
-            raise ValueError(f"cuda_graph_sizes must be a non-empty list of sizes >= 1, got {value}")
-        return sorted(set(value)) if value is not None else None
-
-
-class ProfilerConfig(_Section):
-    """torch profiler traces, started and stopped with engine.start_profile() / stop_profile()."""
-
-    dir: str | None = Field(
-        None, description="Directory for torch profiler traces. None: profiling is off (profile() raises)."
-    )
-    _dir_as_str = field_validator("dir", mode="before")(_path_to_str)
-    record_shapes: bool = Field(False, description="Record tensor shapes in the trace.")
-    with_stack: bool = Field(False, description="Record Python stacks in the trace (slower).")
-
-
-class SleepConfig(_Section):
-    """How sleep() frees device memory."""
-
-    backend: Literal["auto", "portable", "torch_memory_saver"] = Field(
-        "auto",
-        description=(
-            "'portable' frees and reallocates storages (CUDA graphs are recaptured on wake); "
-            "'torch_memory_saver' keeps virtual addresses on CUDA so graphs stay valid; "
-            "'auto' picks torch_memory_saver on CUDA when installed, else portable."
-        ),
-    )
 
 
 def _merge_section_objects(init_settings: PydanticBaseSettingsSource) -> PydanticBaseSettingsSource:
