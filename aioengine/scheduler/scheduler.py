@@ -21,16 +21,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from aioengine.config import PreemptionMode
-from aioengine.messages import (
-    PLACEHOLDER_TOKEN_ID,
-    LogprobRows,
-    ModelRunnerOutput,
-    PromptLogprobsSpec,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from aioengine.messages import LogprobRows, ModelRunnerOutput, SchedulerOutput
+from aioengine.scheduler.host_pool import HostSwapPool
 from aioengine.scheduler.kv_manager import KVBlockManager
 from aioengine.scheduler.request import Request, RequestStatus
+from aioengine.scheduler.scheduled_request import describe
 
 
 @dataclass(slots=True)
@@ -89,12 +84,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemption_mode: PreemptionMode = preemption_mode
         self.num_host_blocks = num_host_blocks
-        self._host_free = list(range(num_host_blocks - 1, -1, -1))
-        """Host pool blocks no swapped-out request holds (popped from the end)."""
-        self._host_refs = [0] * num_host_blocks
-        """Swapped-out requests holding each host block (two that shared a device block share its copy)."""
-        self._swap_in: dict[int, int] = {}
-        self._swap_out: dict[int, int] = {}
+        self.host = HostSwapPool(num_host_blocks)
         self.num_swapped_out = 0
         """Preemptions that moved the request's KV to the host pool (the rest recomputed)."""
         self._revocable: _Revocable | None = None
@@ -143,7 +133,7 @@ class Scheduler:
 
     @property
     def num_host_blocks_free(self) -> int:
-        return len(self._host_free)
+        return self.host.num_free_blocks
 
     @property
     def num_waiting(self) -> int:
@@ -194,12 +184,7 @@ class Scheduler:
                 break
             if swapped:
                 allocated = kv.allocate(request, start + num_new)
-                for host, device in zip(swapped, request.block_ids, strict=False):
-                    if host in self._swap_in:  # another request resumes from the same copy: take it from there
-                        kv.pending_copies.setdefault(self._swap_in[host], []).append(device)
-                    else:
-                        self._swap_in[host] = device
-                self._release_host(request)
+                self.host.swap_in(request, kv)
             else:
                 kv.adopt(request, hits)
                 allocated = kv.allocate(request, start + num_new)
@@ -215,7 +200,7 @@ class Scheduler:
         if scheduled:
             self._scheduled[step_id] = {r.req_id: (r, r.num_preemptions) for r, _ in scheduled}
         before = [(r, r.num_computed_tokens, r.num_registered_blocks) for r, _ in scheduled]
-        described = [self._describe(r, n) for r, n in scheduled]
+        described = [describe(r, n) for r, n in scheduled]
         registered: list[int] = []
         forked = False
         for request, _ in scheduled:
@@ -223,8 +208,7 @@ class Scheduler:
             if request.followers and request.num_computed_tokens >= request.num_shared_tokens:
                 self._fork(request)
                 forked = True
-        swap_in, self._swap_in = self._swap_in, {}
-        swap_out, self._swap_out = self._swap_out, {}
+        swap_in, swap_out = self.host.take_swaps()
         out = SchedulerOutput(
             step_id=step_id,
             requests=described,
@@ -286,42 +270,6 @@ class Scheduler:
             or len(request.token_ids) + pending >= self.max_model_len
         )
 
-    def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
-        """The step's share of ``request``; advances its computed tokens (and placeholders, if it samples)."""
-        start = request.num_computed_tokens
-        end = start + num_new
-        known = request.token_ids[start:end]
-        samples = end == len(request.token_ids) + request.num_placeholders
-        uses_history = samples and request.sampling.uses_history
-        scheduled = ScheduledRequest(
-            req_id=request.req_id,
-            # past the known tokens: the one the step in flight samples
-            token_ids=known + [PLACEHOLDER_TOKEN_ID] * (num_new - len(known)),
-            start_pos=start,
-            block_ids=list(request.block_ids),
-            sampling=request.sampling if samples else None,
-            output_index=request.num_output_tokens + request.num_placeholders,
-            sample_index=request.sample_index,
-            history=request.token_ids[:start] if uses_history else None,
-            num_prompt_tokens=request.num_prompt_tokens,
-            prompt_logprobs=self._prompt_logprobs_spec(request, start, end),
-        )
-        request.num_computed_tokens = end
-        request.num_placeholders += samples
-        return scheduled
-
-    @staticmethod
-    def _prompt_logprobs_spec(request: Request, start: int, end: int) -> PromptLogprobsSpec | None:
-        """The known tokens whose logprobs the step computing ``[start, end)`` can give and nobody has yet:
-        those at positions ``start + 1 .. end`` (the last from the step's last logits) within the prompt."""
-        if request.prompt_logprobs_from is None:
-            return None
-        first = max(start + 1, request.prompt_logprobs_from + len(request.prompt_logprobs))
-        last = min(end + 1, request.num_prompt_tokens)
-        if first >= last:
-            return None
-        return PromptLogprobsSpec(request.prompt_logprobs_k, first, request.token_ids[first:last])
-
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Appends the sampled tokens (in place of their placeholders) and applies stop conditions."""
         updates = []
@@ -377,14 +325,16 @@ class Scheduler:
         dropped = 0
         for request in self.waiting:
             if request.swapped_blocks:
-                self._release_host(request)
+                self.host.release(request)
                 request.num_computed_tokens = 0
                 dropped += 1
         return dropped
 
     # ---- internals ---------------------------------------------------------------------------------
     def _preempt(self, request: Request, swap: bool = False) -> None:
-        if not (swap and self._swap_out_blocks(request)):
+        if swap and self.host.swap_out(request, self.kv):
+            self.num_swapped_out += 1
+        else:
             self.kv.free(request)
             request.num_computed_tokens = 0
         request.num_placeholders = 0  # tokens of steps in flight are dropped; the resume samples them again
@@ -393,37 +343,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _swap_out_blocks(self, request: Request) -> bool:
-        """Moves the request's computed KV to the host pool (copied before the next forward); False, and no
-        change, when the pool has too few free blocks. The last known token is computed again on resume,
-        since its step's sampled token is dropped."""
-        keep = min(request.num_computed_tokens, len(request.token_ids) - 1)
-        blocks = request.block_ids[: self.kv.blocks_for(keep)]
-        new = [b for b in blocks if b not in self._swap_out]  # a block shared with a request swapped out now
-        if not blocks or len(new) > len(self._host_free):
-            return False
-        for block in new:
-            self._swap_out[block] = self._host_free.pop()
-        host = [self._swap_out[b] for b in blocks]
-        for h in host:
-            self._host_refs[h] += 1
-        self.kv.free(request)
-        request.swapped_blocks = host
-        request.num_computed_tokens = keep
-        self.num_swapped_out += 1
-        return True
-
-    def _release_host(self, request: Request) -> None:
-        """Drops the request's hold on its host blocks (its KV is back on the device, or not needed)."""
-        for h in request.swapped_blocks:
-            self._host_refs[h] -= 1
-            if self._host_refs[h] == 0:
-                self._host_free.append(h)
-        request.swapped_blocks = []
-
     def _release(self, request: Request) -> None:
         self.kv.free(request)
-        self._release_host(request)
+        self.host.release(request)
         del self.requests[request.req_id]
         if request.followers:  # ended before its group forked (aborted): the next sequence leads
             leader, *rest = request.followers
