@@ -21,8 +21,8 @@ constexpr int kTileRows = 6;
 // fetched into L2 over the steps (none when 0), at most PER a step (past PER * K lines the rest is left to the
 // next block's first tile), spread evenly over all K steps. PER is 1 but where a tile of 2-5 rows has more
 // lines than steps (block_rows): a decode step of 8-16 rows, whose two or three tiles of a block share out
-// the next block's 4 K lines. There two a step reached 1.07-1.17x at 8-16 rows of the real model's shapes
-// from memory (1.14x at 8), level at 1-4 (one row keeps one a step: two measured 0.93x there). Gaps of
+// the next block's 4 K lines. There two a step reached 1.03-1.14x at 8-16 rows of the real model's shapes
+// from memory (1.14x at 8), level at 1-4 and 20-64 (one row keeps one a step: two measured 0.93x there). Gaps of
 // K / lines steps alone bunch them into the first steps (at 32 rows a tile's 384 lines went one a step into
 // the first 384 of 576 steps, faster than memory serves them while the FMAs wait): a running remainder
 // makes some gaps a step longer. With the halves' split in row_block_gemm, over 30 layers of the real
@@ -45,7 +45,8 @@ void gemm_tile(const float* __restrict x, int64_t ldx, const float* __restrict w
     for (int v = 0; v < NV; ++v)
       acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(masks[v], out + r * ldo + 16 * v) : _mm512_setzero_ps();
   // Counted down: a division per step would hold the FMA port.
-  // PER 1 has a branch of its own: the general loop's code ran 1-3% slower at 24-64 rows.
+  // PER 1 has a branch of its own, the prefetch written out in each: the general loop's code (and a shared
+  // lambda's) compiled differently, and the general loop ran 1-3% slower at 24-64 rows.
   const int64_t issue = std::min(lines, PER * K), events = PER == 1 ? issue : (issue + PER - 1) / PER;
   const int64_t gap = events > 0 ? K / events : K + 1, longer = events > 0 ? K % events : 0;
   int64_t issued = 0, until = 0, carry = 0;
@@ -179,8 +180,8 @@ inline void block_rows(int64_t mr, const float* x, int64_t ldx, const float* w, 
     const int64_t from = lines * c / tiles, to = lines * (c + 1) / tiles, col = c * kTileColumns;
     const bool two = kTileColumns == kGemmBlock && mr >= 2 && to - from > K;  // AVX-512: one tile a block
     kGemmTiles[two ? 1 : 0][mr - 1](x, ldx, w + col, K, out + col, ldo, ncols - col, accumulate,
-                       bias != nullptr ? bias + col : nullptr, prefetch != nullptr ? prefetch + 16 * from : nullptr,
-                       to - from, into_l1);
+                                    bias != nullptr ? bias + col : nullptr,
+                                    prefetch != nullptr ? prefetch + 16 * from : nullptr, to - from, into_l1);
   }
 }
 
