@@ -33,7 +33,7 @@ __all__ = ["ControlAPI"]
 
 
 class ControlAPI:
-    """The control calls of ``AsyncEngine``; it owns the state and the guards they use."""
+    """The control calls of ``AsyncEngine``, which owns the state and the guards they use."""
 
     if TYPE_CHECKING:
         executor: Executor | None
