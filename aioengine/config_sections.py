@@ -245,10 +245,10 @@ class DeviceConfig(_Section):
     cpu_greedy_screen: bool = Field(
         True,
         description=(
-            "CPU, float32, AVX512-BF16 hosts: greedy steps find the lm_head's argmax from a bfloat16 copy of its "
-            "weight, summing in float32 only the rows that copy cannot rule out: the same tokens, bit for bit, "
-            "at about half the lm_head's cost, for half its weight's bytes again in memory (made on the first "
-            "greedy step, again after a weight swap, freed by sleep)."
+            "CPU, float32, AVX512-BF16 and AVX512-VNNI hosts: greedy steps find the lm_head's argmax from a copy "
+            "of its weight in int8 and bfloat16, summing in float32 only the rows that copy cannot rule out: the "
+            "same tokens, bit for bit, at about a third of the lm_head's cost, for at most half its weight's bytes "
+            "again in memory (made on the first greedy step, again after a weight swap, freed by sleep)."
         ),
     )
     cpu_keep_plain_weights: bool = Field(

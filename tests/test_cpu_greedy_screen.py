@@ -1,9 +1,9 @@
-"""Specification of the bfloat16 greedy screen (``greedy_screen_argmax``, AVX512-BF16 builds;
-``device.cpu_greedy_screen``, on by default): greedy over an lm_head from a bfloat16 copy of its weight, the rows
-it cannot rule out summed in float32. Its answer is ``linear_row_blocks_argmax``'s bit for bit (the float32
-GEMM's first maximum) on every input it answers, adversarial near-ties included, and it declines (an empty
-answer, the float32 GEMM then runs) where it cannot vouch for one. ``Linear.first_max`` keeps the copy in step
-with the weight and frees it with the packed copy.
+"""Specification of the greedy screen (``greedy_screen_argmax``, AVX512-BF16 and AVX512-VNNI builds;
+``device.cpu_greedy_screen``, on by default): greedy over an lm_head from a copy of its weight in int8 and bfloat16
+(the split of the dimensions chosen from the rows screened), the rows it cannot rule out summed in float32. Its
+answer is ``linear_row_blocks_argmax``'s bit for bit (the float32 GEMM's first maximum) on every input it answers,
+adversarial near-ties included, and it declines (an empty answer, the float32 GEMM then runs) where it cannot vouch
+for one. ``Linear.first_max`` keeps the copy in step with the weight and frees it with the packed copy.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tests.weight_swap_support import hf_model
 @pytest.fixture
 def screen_kernel(kernel: ModuleType) -> ModuleType:
     if not hasattr(kernel, "greedy_screen_argmax"):
-        pytest.skip("the kernels were built without AVX512-BF16: greedy runs the float32 GEMM's argmax")
+        pytest.skip("the kernels were built without AVX512-BF16 and VNNI: greedy runs the float32 GEMM's argmax")
     return kernel
 
 
@@ -61,28 +61,57 @@ def near_ties(layer: Linear, x: torch.Tensor, gen: torch.Generator) -> None:
         layer.pack()
 
 
+def set_split(layer: Linear, split: str) -> None:
+    """The screen's dimensions all in bfloat16, all in int8, or (mixed) every third in bfloat16, the rest in int8
+    in an order of their own."""
+    screen = layer._screen_object()
+    assert screen is not None
+    k = layer.in_features
+    if split == "bfloat16":
+        screen.order, screen.int8_dims = torch.arange(k), 0
+    elif split == "int8":
+        screen.order, screen.int8_dims = torch.arange(k), k
+    else:
+        wide = torch.arange(k) % 3 == 0
+        screen.order = torch.cat([torch.arange(k)[~wide].flip(0), torch.arange(k)[wide]])
+        screen.int8_dims = int((~wide).sum())
+
+
 def answers(kernels: ModuleType, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, Any]:
     screen = layer.greedy_screen_copy()
     copy = layer.row_block_weight()
     assert screen is not None and copy is not None
     address, floats, out_features, stride = copy
-    screened = kernels.greedy_screen_argmax(x, *screen, address, floats, out_features, stride, bias)
+    screened = kernels.greedy_screen_argmax(
+        x, screen.packed, screen.norms, screen.order, screen.int8_dims, address, floats, out_features, stride, bias
+    )
     exact = kernels.linear_row_blocks_argmax(x, address, floats, out_features, stride, bias)
     return screened, exact
 
 
+@pytest.mark.parametrize("split", ["bfloat16", "mixed", "int8"])
 @pytest.mark.parametrize("case", ["random", "near ties"])
 @pytest.mark.parametrize(("out_features", "in_features"), [(3000, 96), (130, 25), (1000, 4500), (200, 7)])
 @pytest.mark.parametrize("rows", [1, 13, 64])
 def test_the_screen_answers_what_the_float32_gemm_answers(
-    screen_kernel: ModuleType, threads: int, out_features: int, in_features: int, rows: int, case: str
+    screen_kernel: ModuleType, threads: int, out_features: int, in_features: int, rows: int, case: str, split: str
 ) -> None:
-    """Rows off the 6-row tile, an odd K (its last pair padded), columns off the 64-row block, a K the float32
-    GEMM sums in chunks, with and without a bias: the same index, and in the near-ties case the screen can
-    not have told the winner by itself."""
+    """Rows off the 6-row tile, an odd K (its last pair padded) and K off int8's quads, columns off the 64-row
+    block, a K the float32 GEMM sums in chunks, with and without a bias, each split of the dimensions: the same
+    index, and in the near-ties case the screen can not have told the winner by itself."""
     gen = torch.Generator().manual_seed(rows * 7 + out_features)
     layer = screened_linear(screen_kernel, out_features, in_features, gen)
+    set_split(layer, split)
     x = torch.randn(rows, in_features, generator=gen) * 3
+    # int8 leaves few rows for float32 where x has no dimension far above the rest: x there as a trained model's
+    # final rows are, their outliers in the dimensions kept in bfloat16 (mixed), or of one magnitude (all int8).
+    if split == "mixed":
+        x[:, torch.arange(in_features) % 3 == 0] *= 8
+    elif split == "int8":
+        x = x.sign() * (3 + torch.rand(rows, in_features, generator=gen))
+        with torch.no_grad():  # and so are the weight's rows (a normal row's largest value is ~4x its mean)
+            layer.weight.copy_(layer.weight.sign() * (0.05 + 0.01 * torch.rand(layer.weight.shape, generator=gen)))
+        layer.mark_packed_stale()
     if case == "near ties":
         near_ties(layer, x, gen)
     for bias in (None, torch.randn(out_features, generator=gen) * 1e-3):
@@ -91,27 +120,96 @@ def test_the_screen_answers_what_the_float32_gemm_answers(
 
 
 def test_the_copy_holds_each_weight_rounded_to_bfloat16_and_norms_that_bound_it(screen_kernel: ModuleType) -> None:
-    """Rows off the 64-row block and an odd K (both padded with zeros), values torch rounds to bfloat16 the same way
-    (to nearest, ties to even), denormals flushed to zero; the norms of the rows, of their rounding errors and of
-    the rounded rows are at least the float64 ones, within a few float32 ulp."""
+    """All in bfloat16: rows off the 64-row block and an odd K (both padded with zeros), values torch rounds to
+    bfloat16 the same way (to nearest, ties to even), denormals flushed to zero; the norms of the rows, of their
+    rounding errors and of the rounded rows are at least the float64 ones, within a few float32 ulp."""
     gen = torch.Generator().manual_seed(9)
     layer = screened_linear(screen_kernel, 130, 37, gen)
     with torch.no_grad():
         layer.weight[0, :4] = torch.tensor([1e-40, -1e-39, 3.0e38, 1.0 + 2**-8])  # denormals; large; a tie to even
     layer.mark_packed_stale()
     screen = layer.greedy_screen_copy()
-    assert screen is not None
-    packed, norms = screen
-    words = packed.view(-1, 37 // 2 + 1, 64, 2).to(torch.int32) & 0xFFFF  # [block, pair, column, k of the pair]
-    values = (words << 16).view(torch.float32).permute(0, 2, 1, 3).reshape(-1, 38)
+    assert screen is not None and screen.int8_dims == 0
+    pairs = 37 // 2 + 1
+    assert screen.packed.shape == (3, pairs + 3, 64)
+    words = screen.packed[:, :pairs].to(torch.int64) & 0xFFFFFFFF  # [block, pair, column]
+    halves = torch.stack([words & 0xFFFF, words >> 16], dim=-1).to(torch.int32)  # [block, pair, column, k]
+    values = (halves << 16).view(torch.float32).permute(0, 2, 1, 3).reshape(-1, 2 * pairs)
     w = layer.weight.detach()
     want = w.to(torch.bfloat16).float()
     want[want.abs() < 2**-126] = 0.0
     assert torch.equal(values[:130, :37], want) and not values[130:].any() and not values[:, 37].any()
     assert values[0, 3] == 1.0  # the tie went to the even neighbour
-    exact = torch.stack([w.double().norm(dim=1), (w.double() - want.double()).norm(dim=1), want.double().norm(dim=1)])
-    assert (norms.double() >= exact).all()
-    torch.testing.assert_close(norms.double(), exact, rtol=1e-6, atol=0)
+    wd, err = w.double(), (w.double() - want.double())
+    exact = torch.stack([wd.norm(dim=1), err.norm(dim=1), want.double().norm(dim=1), wd.norm(dim=1)])
+    assert (screen.norms[:2] <= 2**-149).all()  # no int8 part: zero, rounded up to the least float
+    assert (screen.norms[2:].double() >= exact).all()
+    torch.testing.assert_close(screen.norms[2:].double(), exact, rtol=1e-6, atol=0)
+
+
+def test_the_int8_part_holds_each_row_scaled_to_127_and_norms_that_bound_it(screen_kernel: ModuleType) -> None:
+    """The dimensions in int8 (in the order given) as q with |q| <= 127, each row's largest value at +-127, q *
+    scale within half a step of the weight; the offsets 128 times the sum of the row's q; a row of zeros all 0;
+    the norms of the rows' int8 and bfloat16 parts, of their errors and of the whole rows bound the float64 ones."""
+    gen = torch.Generator().manual_seed(12)
+    layer = screened_linear(screen_kernel, 70, 23, gen)
+    with torch.no_grad():
+        layer.weight[5] = 0.0
+    layer.mark_packed_stale()
+    screen = layer._screen_object()
+    assert screen is not None
+    order = torch.randperm(23, generator=gen)
+    screen.order, screen.int8_dims = order, 15  # four quads, the last padded; 8 dimensions in bfloat16
+    copy = layer.greedy_screen_copy()
+    assert copy is not None and copy.packed.shape == (2, 4 + 4 + 3, 64)
+    words = copy.packed[:, :4]  # [block, quad, column]
+    q = torch.stack([(words << (24 - 8 * j)) >> 24 for j in range(4)], dim=-1)  # signed bytes, [block, quad, col, j]
+    q = q.permute(0, 2, 1, 3).reshape(128, 16)[:70]
+    scale = copy.packed[:, 8].reshape(-1).view(torch.float32)[:70]
+    offset = copy.packed[:, 9].reshape(-1)[:70]
+    w = layer.weight.detach()[:, order]
+    assert not q[:, 15].any() and (q.abs() <= 127).all()
+    assert torch.equal(q[:, :15].abs().amax(dim=1)[w[:, :15].abs().amax(dim=1) > 0], torch.full((69,), 127))
+    assert not q[5].any() and scale[5] == 0
+    rounded = q[:, :15].double() * scale.double()[:, None]
+    assert ((rounded - w[:, :15].double()).abs() <= scale.double()[:, None] * 0.5001).all()
+    assert torch.equal(offset, 128 * q.sum(dim=1).to(torch.int32))
+    wi, wb = w[:, :15].double(), w[:, 15:].double()
+    wb_rounded = w[:, 15:].to(torch.bfloat16).double()
+    exact = torch.stack([wi.norm(dim=1), (wi - rounded).norm(dim=1), wb.norm(dim=1), (wb - wb_rounded).norm(dim=1),
+                         wb_rounded.norm(dim=1), w.double().norm(dim=1)])  # fmt: skip
+    assert (copy.norms.double() >= exact).all()
+    torch.testing.assert_close(copy.norms.double(), exact, rtol=1e-6, atol=1e-30)
+    largest = copy.packed[:, 10, :6].view(torch.float32)  # each block's largest of each norm
+    assert torch.equal(largest[0], copy.norms[:, :64].amax(dim=1))
+    assert torch.equal(largest[1], copy.norms[:, 64:].amax(dim=1))
+
+
+@pytest.mark.parametrize("rows", ["concentrated", "spread"])
+def test_the_split_is_chosen_from_the_rows_screened(screen_kernel: ModuleType, rows: str) -> None:
+    """bfloat16 throughout until 256 rows were seen; then the 64 dimensions that hold 80% or more of their energy
+    in bfloat16 and the rest in int8 (a trained model's final rows); rows with their energy spread stay in
+    bfloat16. The answers are the float32 GEMM's either way."""
+    gen = torch.Generator().manual_seed(21)
+    layer = screened_linear(screen_kernel, 700, 200, gen)
+    loud = torch.randperm(200, generator=gen)[:64]
+    first = None
+    with torch.no_grad():
+        for step in range(6):
+            x = torch.randn(50, 200, generator=gen)
+            if rows == "concentrated":
+                x[:, loud] *= 10
+            assert torch.equal(layer.first_max(x), layer(x).argmax(dim=-1))
+            screen = layer._screen
+            assert screen is not None and screen.copy is not None
+            if step < 5:  # 250 rows
+                assert screen.int8_dims == 0
+            first = first or screen.copy.packed.data_ptr()
+    if rows == "concentrated":
+        assert screen.int8_dims == 136 and set(screen.order[136:].tolist()) == set(loud.tolist())
+        assert screen.copy.packed.shape[1] == 34 + 32 + 3  # made again for the split
+    else:
+        assert screen.int8_dims == 0 and screen.copy.packed.data_ptr() == first
 
 
 def test_near_ties_are_decided_by_the_float32_sums(screen_kernel: ModuleType) -> None:
@@ -164,23 +262,25 @@ def test_first_max_keeps_the_copy_in_step_with_the_weight(screen_kernel: ModuleT
     x = torch.randn(6, 48, generator=gen)
     with torch.no_grad():
         first = layer.first_max(x)
-    screen = layer._screen
+    assert layer._screen is not None
+    screen = layer._screen.copy
     assert screen is not None and torch.equal(first, layer(x).argmax(dim=-1))
     with torch.no_grad():
-        assert torch.equal(layer.first_max(x), first) and layer._screen is screen  # kept while the weight is
+        assert torch.equal(layer.first_max(x), first) and layer._screen.copy is screen  # kept while the weight is
         new = torch.randn(500, 48, generator=gen) * 0.05
         with torch_threads(1):  # the thread count the copy was laid out for
             assert layer.write_rows(0, layer.weight, new)  # into the weight and its copy, in place
     with torch.no_grad():
         after = layer.first_max(x)
-        assert layer._screen is not None and layer._screen_generation == layer._generation
-        assert layer._screen[0].data_ptr() == screen[0].data_ptr()  # rewritten in place
+        remade = layer._screen.copy
+        assert remade is not None and remade.generation == layer._generation
+        assert remade.packed.data_ptr() == screen.packed.data_ptr()  # rewritten in place
         assert torch.equal(after, torch.nn.functional.linear(x, new).argmax(dim=-1))
     assert not torch.equal(after, first), "the new weight must pick other rows for the test to show"
     layer.drop_packed()
-    assert layer._screen is None
+    assert layer._screen.copy is None
     with torch.no_grad():
-        assert torch.equal(layer.first_max(x), after) and layer._screen is not None
+        assert torch.equal(layer.first_max(x), after) and layer._screen.copy is not None
     layer.set_greedy_screen(False)
     assert layer._screen is None
     with torch.no_grad():
@@ -193,7 +293,8 @@ def hf_tokens(llama_ckpt: Path) -> list[list[int]]:
 
 
 def screen_made(worker: Any) -> bool:
-    return worker.model_runner.model.lm_head._screen is not None
+    screen = worker.model_runner.model.lm_head._screen
+    return screen is not None and screen.copy is not None
 
 
 async def test_the_engine_screens_greedy_steps_and_keeps_hf_tokens(

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aioengine.model.greedy_screen import GreedyScreen, ScreenCopy
 from aioengine.model.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -72,10 +73,9 @@ class Linear(nn.Linear):
     """``(address, floats, block_stride)`` of the copy where ``kernels.linear_row_blocks`` reads it (64-row
     blocks, checked against the weight); None: oneDNN's GEMM."""
     greedy_screen: bool = False
-    """Whether ``first_max`` screens with a bfloat16 copy of the weight (``set_greedy_screen``; the model runner
-    turns it on for the lm_head)."""
-    _screen: tuple[torch.Tensor, torch.Tensor] | None = None
-    _screen_generation: int = -1
+    """Whether ``first_max`` screens with an int8 / bfloat16 copy of the weight (``set_greedy_screen``; the model
+    runner turns it on for the lm_head)."""
+    _screen: GreedyScreen | None = None
     _generation: int = 0
     """Counts the changes of the packed copy (made, written, marked stale, dropped): a screen made at another
     count is rebuilt before it is read."""
@@ -101,47 +101,42 @@ class Linear(nn.Linear):
         that output (greedy over an lm_head: a step's logits are [rows, vocab]); None where ``project`` would
         not run the row-block GEMM. Equal to ``argmax_rows(self(x))``: NaN ignored.
 
-        With ``greedy_screen`` on and kernels that have it (AVX512-BF16 hosts), a bfloat16 copy of the weight
-        screens every row and float32 sums only the rows it cannot rule out (``greedy_screen_argmax``): the
-        same answer, bit for bit, at about half the cost of the float32 GEMM (half the bytes, and two
-        multiply-adds per lane). Where the screen cannot vouch for its answer the float32 GEMM answers."""
+        With ``greedy_screen`` on and kernels that have it (AVX512-BF16 and AVX512-VNNI hosts), a copy of the
+        weight in int8 and bfloat16 screens every row and float32 sums only the rows it cannot rule out
+        (``greedy_screen.py``): the same answer, bit for bit, at about a third of the float32 GEMM's cost. Where
+        the screen cannot vouch for its answer the float32 GEMM answers."""
         copy = self.row_block_weight() if x.dim() == 2 and x.stride(1) == 1 else None
         if copy is None:
             return None
         assert self.kernels is not None
-        address, floats, out_features, stride = copy
-        screen = self._screen_of(copy)
+        screen = self._screen_object()
         if screen is not None:
-            tokens = self.kernels.greedy_screen_argmax(x, *screen, address, floats, out_features, stride, self.bias)
-            if tokens.numel() == x.shape[0]:
+            tokens = screen.argmax(x, copy, self._generation, self.bias)
+            if tokens is not None:
                 return tokens
+        address, floats, out_features, stride = copy
         return self.kernels.linear_row_blocks_argmax(x, address, floats, out_features, stride, self.bias)
 
     def set_greedy_screen(self, on: bool) -> None:
-        """``greedy_screen`` on or off; off frees the bfloat16 copy."""
+        """``greedy_screen`` on or off; off frees the screen and its copy."""
         self.greedy_screen = on
         if not on:
             self._screen = None
 
-    def greedy_screen_copy(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The bfloat16 copy and row norms ``greedy_screen_argmax`` reads, made from the row-block copy as it
-        is now (again after any write to it, into the same memory): the first greedy step after load, a swap or
-        a wake pays it. None where the screen is off or these kernels lack it. On CPU the KV cache takes a
-        quarter of the free host memory (``cpu_worker.CPU_KV_SHARE``), so the copy (half the head's weight) fits
-        beside it."""
+    def greedy_screen_copy(self) -> ScreenCopy | None:
+        """The copy ``greedy_screen_argmax`` reads, made from the row-block copy as it is now (again after any
+        write to it, into the same memory): the first greedy step after load, a swap or a wake pays it. None
+        where the screen is off or these kernels lack it. On CPU the KV cache takes a quarter of the free host
+        memory (``cpu_worker.CPU_KV_SHARE``), so the copy (at most half the head's weight) fits beside it."""
         copy = self.row_block_weight()  # brought up to the weight first: the screen is made from it
-        return None if copy is None else self._screen_of(copy)
+        screen = self._screen_object()
+        return None if copy is None or screen is None else screen.copy_for(copy, self._generation)
 
-    def _screen_of(self, copy: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``greedy_screen_copy`` for the current row-block copy ``copy`` (``row_block_weight()``'s answer)."""
-        if not self.greedy_screen or not hasattr(self.kernels, "pack_bf16_screen"):
+    def _screen_object(self) -> GreedyScreen | None:
+        if not self.greedy_screen or self.kernels is None or not GreedyScreen.available(self.kernels):
             return None
-        if self._screen is None or self._screen_generation != self._generation:
-            assert self.kernels is not None
-            address, floats, out_features, stride = copy
-            into = self._screen if self._screen is not None else (None, None)  # rewritten in place where it fits
-            self._screen = self.kernels.pack_bf16_screen(address, floats, out_features, self.in_features, stride, *into)
-            self._screen_generation = self._generation
+        if self._screen is None:
+            self._screen = GreedyScreen(self.kernels, self.in_features)
         return self._screen
 
     def row_block_weight(self) -> tuple[int, int, int, int] | None:
@@ -320,7 +315,8 @@ class Linear(nn.Linear):
         self._packed_key = None
         self._packed_source = None
         self._rows_packed = 0
-        self._screen = None
+        if self._screen is not None:
+            self._screen.drop()  # the copy; the split of the dimensions stays
         self._generation += 1
 
 

@@ -1,29 +1,39 @@
-// Greedy over an lm_head in two passes, exact: a bfloat16 screen of every row, then float32 for the few rows the
-// screen cannot rule out (AVX-512 builds with AVX512-BF16). The answer is linear_row_blocks_argmax's, bitwise:
-// the rows recomputed are summed as its tiles sum them, and every row left out is proven below the winner.
+// Greedy over an lm_head in two passes, exact: a screen of every row in reduced precision, then float32 for the
+// few rows the screen cannot rule out (AVX-512 builds with AVX512-BF16 and AVX512-VNNI). The answer is
+// linear_row_blocks_argmax's, bitwise: the rows recomputed are summed as its tiles sum them, and every row left out
+// is proven below the winner.
 //
-// The screen reads a bfloat16 copy of W (half the bytes of the float32 one, and VDPBF16PS does two multiply-adds
-// per lane where VFMADD does one). For x and a row w, with x~, w~ their bfloat16 roundings and a~ the screen's
-// sum (its products exact in float32, its K additions rounded):
-//   |x.w - a~| <= |x - x~| |w| + |x~| |w - w~| + g (|x~| |w~|),     g = K u / (1 - K u),  u = 2^-23
+// The screen's copy of W splits the K dimensions in two (`order`, chosen by the caller): the first `int8_dims` of
+// them in int8, each row of W with a scale of its own (VPDPBUSD: four multiply-adds a lane), the rest in bfloat16
+// (VDPBF16PS: two a lane, where VFMADD does one). A trained model's final hidden rows hold most of their energy in
+// a few fixed dimensions; with those in bfloat16 and the rest in int8 the screen rules out as many rows as a
+// bfloat16 screen of everything, at nearly half its multiply-adds and bytes. With int8_dims 0 it is a bfloat16
+// screen. For x and a row w, split so (x_I, x_B), (w_I, w_B), with x~, w~ the values the screen multiplies (x~_I =
+// s_x q_x, w~_I = s_w q_w with integers q; x~_B, w~_B bfloat16 roundings) and a~ the screen's sum (the int8 part's
+// integer sum exact, turned into a float and scaled by s_w s_x with three roundings; then the bfloat16 products
+// added, exact in float32, with at most K additions rounded):
+//   |x.w - a~| <= |x_I - x~_I| |w_I| + |x~_I| |w_I - w~_I| + 4u |x~_I| |w~_I|
+//               + |x_B - x~_B| |w_B| + |x~_B| |w_B - w~_B| + g (|x~_I| |w~_I| (1 + 4u) + |x~_B| |w~_B|),
+//   g = K u / (1 - K u),  u = 2^-23
 // (Cauchy-Schwarz on the rounding errors, the usual bound on the additions; u covers any faithful rounding), and
-// the float32 sum f of the tiles is within g |x| |w| of x.w. So f lies within B of a~, with B their sum plus
-// slack for the bias's addition, for B itself being computed in float32, and for products and sums that flush to
-// zero. The row with the largest a~ - B has f >= a~ - B; a row whose a~ + B is below that can not be the maximum
-// (nor tie it), so only rows with a~ + B at or above it are summed in float32. The norms of W's rows and of their
-// rounding errors are computed once, with the copy (pack_bf16_screen).
+// the float32 sum f of the tiles is within g |x| |w| of x.w. So f lies within B of a~, with B their sum (|w~_I| <=
+// |w_I| + |w_I - w~_I|) plus slack for the bias's addition, for B itself being computed in float32, and for
+// products and sums that flush to zero. The row with the largest a~ - B has f >= a~ - B; a row whose a~ + B is
+// below that can not be the maximum (nor tie it), so only rows with a~ + B at or above it are summed in float32.
+// The norms of W's rows' parts and of their rounding errors are computed once, with the copy (pack_greedy_screen).
 
 #include "common.h"
 #include "kernels.h"
 
 namespace aioengine_cpu {
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 namespace {
 
 constexpr int64_t kBlock = 64;  // columns of W per block of the copy, as in the float32 copy
 constexpr int kTileRows = 6;
 constexpr int64_t kMaxRows = 1024;  // rows of x one call screens (a greedy step has at most max_num_seqs)
+constexpr int kNorms = 6;  // |w_I|, |w_I - w~_I|, |w_B|, |w_B - w~_B|, |w~_B|, |w| for each row of W
 
 // 16 floats (as their bits) rounded to bfloat16, to nearest, ties to even, each in the upper half of its 32 bits,
 // the lower half zero: results below the normal range flushed to zero (so no denormal reaches VDPBF16PS, which
@@ -68,20 +78,93 @@ struct SquareSums {
   double total(int q) const { return _mm512_reduce_add_pd(_mm512_add_pd(sums[q][0], sums[q][1])); }
 };
 
-// out[r][0..63] = x~[r] . w~[c] for MR rows and the 64 columns of one block: the block's pair p of K holds, for
-// each column c, (w~[c, 2p], w~[c, 2p + 1]) at w + p * 128 + 2c; x's pairs are 32-bit words.
+// Squared norms of the int8 part, lane by lane in double: |v|^2 and |v - s q|^2 (s q exact in double).
+struct Int8Sums {
+  __m512d sums[2][2] = {};  // [|v|^2, |v - s q|^2][lanes 0-7, 8-15]
+
+  void add(__m512 v, __m512 s, __m512i q) {
+    const __m512 sq_parts[2] = {v, s};
+    __m512d halves[2][2];  // [v, s q][lo, hi]
+    for (int i = 0; i < 2; ++i) {
+      halves[i][0] = _mm512_cvtps_pd(_mm512_castps512_ps256(sq_parts[i]));
+      halves[i][1] = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sq_parts[i]), 1)));
+    }
+    const __m512d qd[2] = {_mm512_cvtepi32_pd(_mm512_castsi512_si256(q)),
+                           _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(q, 1))};
+    for (int h = 0; h < 2; ++h) {
+      const __m512d err = _mm512_sub_pd(halves[0][h], _mm512_mul_pd(halves[1][h], qd[h]));
+      sums[0][h] = _mm512_fmadd_pd(halves[0][h], halves[0][h], sums[0][h]);
+      sums[1][h] = _mm512_fmadd_pd(err, err, sums[1][h]);
+    }
+  }
+  void lanes(int q, double* out) const {
+    _mm512_storeu_pd(out, sums[q][0]);
+    _mm512_storeu_pd(out + 8, sums[q][1]);
+  }
+};
+
+// A block of the copy is `steps` = quads + pairs words for each of its 64 columns ([step][column]), then the
+// columns' scales s_w (as float bits), their offsets (128 times the sum of the column's int8 values) and the
+// largest of each of the kNorms norms over the block's columns (float bits, the first kNorms words): quad words
+// hold four int8 values (byte j: dimension order[4 s + j]), pair words two bfloat16 ones (the low half first).
+struct Layout {
+  int64_t quads, pairs;
+  int64_t steps() const { return quads + pairs; }
+  static constexpr int64_t kMetaRows = 3;
+  int64_t block_words() const { return (steps() + kMetaRows) * kBlock; }
+};
+
+Layout layout_of(int64_t K, int64_t int8_dims) { return {(int8_dims + 3) / 4, (K - int8_dims + 1) / 2}; }
+
+// acc += the sums of four products a lane, a's bytes unsigned, b's signed (VPDPBUSD). Written out: GCC 12 copied
+// each accumulator around the intrinsic's tied operand and spilled six of the tile's 24 (a 1.5x slower tile).
+inline void dpbusd(__m512i& acc, __m512i a, __m512i b) { asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b)); }
+
+// out[r][0..63] = a~ of x's rows r (their words at x + r * ldx: quads, then pairs) against the 64 columns of one
+// block (at w): the int8 part summed as integers (x's bytes offset by 128 to VPDPBUSD's unsigned operand, the
+// columns' offsets taking that back out), turned into floats scaled by s_w s_x[r], then the bfloat16 part added.
 template <int MR>
-void screen_tile(const uint32_t* __restrict x, int64_t ldx, const uint16_t* __restrict w, int64_t pairs,
-                 float* __restrict out) {
+void screen_tile(const uint32_t* __restrict x, int64_t ldx, const uint32_t* __restrict w, Layout lay,
+                 const float* __restrict sx, float* __restrict out) {
   __m512 acc[MR][4];
+  if (lay.quads > 0) {
+    __m512i sums[MR][4];
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
+    for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
+      for (int v = 0; v < 4; ++v) sums[r][v] = _mm512_setzero_si512();
+    for (int64_t q = 0; q < lay.quads; ++q) {
+      __m512i wv[4];
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) wv[v] = _mm512_loadu_si512(w + q * kBlock + 16 * v);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m512i xr = _mm512_set1_epi32(static_cast<int>(x[r * ldx + q]));
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) dpbusd(sums[r][v], xr, wv[v]);
+      }
+    }
+    const uint32_t* meta = w + lay.steps() * kBlock;
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) {
+      const __m512 sw = _mm512_castsi512_ps(_mm512_loadu_si512(meta + 16 * v));
+      const __m512i offset = _mm512_loadu_si512(meta + kBlock + 16 * v);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r][v], offset));
+        acc[r][v] = _mm512_mul_ps(dot, _mm512_mul_ps(sw, _mm512_set1_ps(sx[r])));
+      }
+    }
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  for (int64_t p = lay.quads; p < lay.steps(); ++p) {
     __m512bh wv[4];
 #pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + p * 2 * kBlock + 32 * v);
+    for (int v = 0; v < 4; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + p * kBlock + 16 * v);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + p]));
@@ -95,7 +178,7 @@ void screen_tile(const uint32_t* __restrict x, int64_t ldx, const uint16_t* __re
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + r * kBlock + 16 * v, acc[r][v]);
 }
 
-using ScreenTile = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, float*);
+using ScreenTile = void (*)(const uint32_t*, int64_t, const uint32_t*, Layout, const float*, float*);
 constexpr ScreenTile kScreenTiles[kTileRows] = {&screen_tile<1>, &screen_tile<2>, &screen_tile<3>,
                                                 &screen_tile<4>, &screen_tile<5>, &screen_tile<6>};
 
@@ -104,50 +187,107 @@ struct Candidate {
   float high;  // a~ + B: the most its float32 sum can be
 };
 
+// That order is a permutation of 0 .. K-1 and int8_dims within it; raises, naming the kernel, where not.
+const int64_t* checked_order(const char* name, const at::Tensor& order, int64_t K, int64_t int8_dims) {
+  TORCH_CHECK(order.scalar_type() == at::kLong && order.dim() == 1 && order.is_contiguous() && order.numel() == K,
+              name, ": order must be a contiguous int64 tensor of the ", K, " input dimensions");
+  // Up to 2^16 of them VPDPBUSD's int32 sums (at most 255 * 127 a product) cannot overflow.
+  TORCH_CHECK(int8_dims >= 0 && int8_dims <= std::min<int64_t>(K, 1 << 16), name, ": int8_dims ", int8_dims,
+              " is outside 0..", std::min<int64_t>(K, 1 << 16));
+  const int64_t* o = order.data_ptr<int64_t>();
+  std::vector<bool> seen(static_cast<size_t>(K), false);
+  for (int64_t i = 0; i < K; ++i) {
+    TORCH_CHECK(o[i] >= 0 && o[i] < K && !seen[o[i]], name, ": order is not a permutation of 0..", K - 1);
+    seen[o[i]] = true;
+  }
+  return o;
+}
+
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> pack_bf16_screen(int64_t w_address, int64_t w_floats, int64_t N, int64_t K,
-                                                    int64_t block_stride, const c10::optional<at::Tensor>& into_packed,
-                                                    const c10::optional<at::Tensor>& into_norms) {
-  const int64_t pairs = (K + 1) / 2, blocks = (N + kBlock - 1) / kBlock;
-  TORCH_CHECK(K > 0, "pack_bf16_screen: the weight has no columns");
-  check_row_block_copy("pack_bf16_screen", w_address, w_floats, N, K, block_stride);
+std::tuple<at::Tensor, at::Tensor> pack_greedy_screen(int64_t w_address, int64_t w_floats, int64_t N, int64_t K,
+                                                      int64_t block_stride, const at::Tensor& order,
+                                                      int64_t int8_dims, const c10::optional<at::Tensor>& into_packed,
+                                                      const c10::optional<at::Tensor>& into_norms) {
+  TORCH_CHECK(K > 0, "pack_greedy_screen: the weight has no columns");
+  check_row_block_copy("pack_greedy_screen", w_address, w_floats, N, K, block_stride);
+  const int64_t* dims = checked_order("pack_greedy_screen", order, K, int8_dims);
+  const Layout lay = layout_of(K, int8_dims);
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
   // Into the previous copy where it has this shape (a swap's rebuild then touches no fresh pages), else anew.
   const at::TensorOptions options = at::TensorOptions().device(at::kCPU);
   auto fits = [](const c10::optional<at::Tensor>& t, at::IntArrayRef shape, at::ScalarType dtype) {
     return t.has_value() && t->sizes() == shape && t->scalar_type() == dtype && t->is_contiguous() && t->is_cpu();
   };
-  const std::vector<int64_t> packed_shape{blocks, pairs, 2 * kBlock}, norms_shape{3, N};
-  at::Tensor packed = fits(into_packed, packed_shape, at::kShort) ? *into_packed
-                                                                  : at::empty(packed_shape, options.dtype(at::kShort));
+  const std::vector<int64_t> packed_shape{blocks, lay.steps() + Layout::kMetaRows, kBlock}, norms_shape{kNorms, N};
+  at::Tensor packed = fits(into_packed, packed_shape, at::kInt) ? *into_packed
+                                                                : at::empty(packed_shape, options.dtype(at::kInt));
   at::Tensor norms = fits(into_norms, norms_shape, at::kFloat) ? *into_norms
                                                                : at::empty(norms_shape, options.dtype(at::kFloat));
   const float* src = reinterpret_cast<const float*>(w_address);
-  uint32_t* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<int16_t>());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
   float* n = norms.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const float* block = src + blk * block_stride;  // column c's value k at block[k * 64 + c]
-      uint32_t* out = dst + blk * pairs * kBlock;       // pair p's word for column c at out[p * 64 + c]
+      uint32_t* out = dst + blk * lay.block_words();  // step s's word for column c at out[s * 64 + c]
       const int64_t ncols = std::min(kBlock, N - blk * kBlock);
       for (int64_t g = 0; g < kBlock / 16; ++g) {  // 16 columns at a time; those past N (and past K) as zeros
         const __mmask16 mask = Wide::mask(ncols - 16 * g);
-        SquareSums sums;
-        for (int64_t p = 0; p < pairs; ++p) {
-          const __m512 even = _mm512_maskz_loadu_ps(mask, block + 2 * p * kBlock + 16 * g);
-          const __m512 odd = 2 * p + 1 < K ? _mm512_maskz_loadu_ps(mask, block + (2 * p + 1) * kBlock + 16 * g)
-                                           : _mm512_setzero_ps();
-          const __m512i re = sums.add(even), ro = sums.add(odd);
-          _mm512_storeu_si512(out + p * kBlock + 16 * g,
-                              _mm512_or_si512(ro, _mm512_srli_epi32(re, 16)));  // value k even in the low half
+        auto load = [&](int64_t i, int64_t count) {  // value order[i] of the 16 columns, zero past `count`
+          return i < count ? _mm512_maskz_loadu_ps(mask, block + dims[i] * kBlock + 16 * g) : _mm512_setzero_ps();
+        };
+        // int8: each column's largest magnitude maps to 127.
+        __m512 largest = _mm512_setzero_ps();
+        for (int64_t i = 0; i < int8_dims; ++i) largest = _mm512_max_ps(largest, _mm512_abs_ps(load(i, int8_dims)));
+        const __m512 scale = _mm512_div_ps(largest, _mm512_set1_ps(127.f));
+        const __mmask16 nonzero = _mm512_cmp_ps_mask(largest, _mm512_setzero_ps(), _CMP_GT_OQ);
+        const __m512 inverse = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(127.f), largest);
+        Int8Sums int8_sums;
+        __m512i total = _mm512_setzero_si512();
+        for (int64_t s = 0; s < lay.quads; ++s) {
+          __m512i word = _mm512_setzero_si512();
+          for (int j = 0; j < 4; ++j) {
+            const __m512 v = load(4 * s + j, int8_dims);
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse));
+            q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+            int8_sums.add(v, scale, q);
+            total = _mm512_add_epi32(total, q);
+            word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0xFF)), 8 * j));
+          }
+          _mm512_storeu_si512(out + s * kBlock + 16 * g, word);
         }
-        double columns[3][16];
-        for (int q = 0; q < 3; ++q) sums.lanes(q, columns[q]);
+        _mm512_storeu_si512(out + lay.steps() * kBlock + 16 * g, _mm512_castps_si512(scale));
+        _mm512_storeu_si512(out + (lay.steps() + 1) * kBlock + 16 * g, _mm512_slli_epi32(total, 7));
+        // bfloat16: the rest of the dimensions, in pairs.
+        SquareSums bf16_sums;
+        for (int64_t p = 0; p < lay.pairs; ++p) {
+          const __m512i re = bf16_sums.add(load(int8_dims + 2 * p, K));
+          const __m512i ro = bf16_sums.add(load(int8_dims + 2 * p + 1, K));
+          _mm512_storeu_si512(out + (lay.quads + p) * kBlock + 16 * g,
+                              _mm512_or_si512(ro, _mm512_srli_epi32(re, 16)));  // the first value in the low half
+        }
+        double columns[5][16];
+        int8_sums.lanes(0, columns[0]);
+        int8_sums.lanes(1, columns[1]);
+        for (int q = 0; q < 3; ++q) bf16_sums.lanes(q, columns[2 + q]);
         for (int64_t c = 0; c < std::min<int64_t>(16, ncols - 16 * g); ++c) {
           const int64_t row = blk * kBlock + 16 * g + c;
-          for (int q = 0; q < 3; ++q) n[q * N + row] = up(std::sqrt(columns[q][c]));
+          n[0 * N + row] = up(std::sqrt(columns[0][c]));                   // |w_I|
+          n[1 * N + row] = up(std::sqrt(columns[1][c]));                   // |w_I - w~_I|
+          n[2 * N + row] = up(std::sqrt(columns[2][c]));                   // |w_B|
+          n[3 * N + row] = up(std::sqrt(columns[3][c]));                   // |w_B - w~_B|
+          n[4 * N + row] = up(std::sqrt(columns[4][c]));                   // |w~_B|
+          n[5 * N + row] = up(std::sqrt(columns[0][c] + columns[2][c]));  // |w|
         }
       }
+      float* largest_norms = reinterpret_cast<float*>(out + (lay.steps() + 2) * kBlock);
+      std::fill(largest_norms, largest_norms + kBlock, 0.f);
+      for (int q = 0; q < kNorms; ++q)
+        for (int64_t c = 0; c < ncols; ++c) {
+          const float v = n[q * N + blk * kBlock + c];
+          largest_norms[q] = std::isnan(v) || std::isnan(largest_norms[q]) ? v : std::max(largest_norms[q], v);
+        }
     }
   });
   return {packed, norms};
@@ -156,48 +296,78 @@ std::tuple<at::Tensor, at::Tensor> pack_bf16_screen(int64_t w_address, int64_t w
 // The first maximum of each row of x @ W.T (+ bias) as linear_row_blocks_argmax computes it ([M] int64), or an
 // empty tensor where the screen cannot answer (x not finite, too many rows, or too many rows of W left for the
 // float32 pass: the caller then runs linear_row_blocks_argmax). The rows left are summed from W's float32
-// row-block copy (linear_row_blocks' arguments), which the bfloat16 one was made from.
+// row-block copy (linear_row_blocks' arguments), which the screen's copy was made from with the same order and
+// int8_dims.
 at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& norms,
-                                int64_t w_address, int64_t w_floats, int64_t N, int64_t block_stride,
-                                const c10::optional<at::Tensor>& bias) {
+                                const at::Tensor& order, int64_t int8_dims, int64_t w_address, int64_t w_floats,
+                                int64_t N, int64_t block_stride, const c10::optional<at::Tensor>& bias) {
   const float* b = checked_row_blocks("greedy_screen_argmax", x, w_address, w_floats, N, block_stride, bias);
-  const int64_t M = x.size(0), K = x.size(1), pairs = (K + 1) / 2;
-  const int64_t blocks = (N + kBlock - 1) / kBlock;
-  TORCH_CHECK(packed.scalar_type() == at::kShort && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(0) == blocks && packed.size(1) == pairs && packed.size(2) == 2 * kBlock,
-              "greedy_screen_argmax: the bfloat16 copy does not hold ", N, " rows of ", K, " columns");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t* dims = checked_order("greedy_screen_argmax", order, K, int8_dims);
+  const Layout lay = layout_of(K, int8_dims);
+  const int64_t blocks = (N + kBlock - 1) / kBlock, steps = lay.steps();
+  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == blocks && packed.size(1) == steps + Layout::kMetaRows && packed.size(2) == kBlock,
+              "greedy_screen_argmax: the screen's copy does not hold ", N, " rows of ", K, " columns with ",
+              int8_dims, " of them in int8");
   TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.dim() == 2 &&
-                  norms.size(0) == 3 && norms.size(1) == N,
-              "greedy_screen_argmax: norms must be pack_bf16_screen's [3, ", N, "] float32");
+                  norms.size(0) == kNorms && norms.size(1) == N,
+              "greedy_screen_argmax: norms must be pack_greedy_screen's [", kNorms, ", ", N, "] float32");
   const at::Tensor none = at::empty({0}, x.options().dtype(at::kLong));
   if (M == 0 || M > kMaxRows) return none;
 
-  // x~ as pairs, and the three terms of each row's bound that depend on x alone.
+  // x's words (int8 quads with each row's scale, then bfloat16 pairs), and the coefficients of each row's bound.
   const float* xs = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  std::vector<uint32_t> xp(static_cast<size_t>(M * pairs), 0);
-  std::vector<float> c_whole(M), c_error(M), c_rounded(M);
-  const double g = static_cast<double>(K) * 0x1p-23 / (1.0 - static_cast<double>(K) * 0x1p-23);
+  std::vector<uint32_t> words(static_cast<size_t>(M * steps), 0);
+  std::vector<float> x_scale(M);
+  std::vector<std::array<float, kNorms>> coef(M);
+  const double u = 0x1p-23, g = static_cast<double>(K) * u / (1.0 - static_cast<double>(K) * u);
   const double slack = 1.0 + 0x1p-20;
   for (int64_t r = 0; r < M; ++r) {
     const float* xr = xs + r * ldx;
-    uint16_t* pr = reinterpret_cast<uint16_t*>(xp.data() + r * pairs);  // value k at pr[k]: k even in the low half
-    SquareSums sums;
-    for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 mask = Wide::mask(K - k);
-      const __m512i rounded = sums.add(_mm512_maskz_loadu_ps(mask, xr + k));
-      _mm512_mask_cvtepi32_storeu_epi16(pr + k, mask, _mm512_srli_epi32(rounded, 16));
+    uint32_t* wr = words.data() + r * steps;
+    float largest = 0.f;
+    for (int64_t i = 0; i < int8_dims; ++i) largest = std::max(largest, std::abs(xr[dims[i]]));
+    if (!std::isfinite(largest)) return none;
+    const float scale = largest / 127.f, inverse = largest > 0.f ? 127.f / largest : 0.f;
+    double int8_whole = 0.0, int8_error = 0.0, int8_rounded = 0.0;
+    for (int64_t s = 0; s < lay.quads; ++s) {
+      uint32_t word = 0;
+      for (int j = 0; j < 4; ++j) {
+        const int64_t i = 4 * s + j;
+        const float v = i < int8_dims ? xr[dims[i]] : 0.f;
+        const int q = std::clamp(static_cast<int>(std::nearbyint(v * inverse)), -127, 127);
+        const double rounded = static_cast<double>(scale) * q, e = static_cast<double>(v) - rounded;
+        int8_whole += static_cast<double>(v) * v;
+        int8_error += e * e;
+        int8_rounded += rounded * rounded;
+        word |= static_cast<uint32_t>(q + 128) << (8 * j);  // VPDPBUSD's unsigned bytes: q + 128
+      }
+      wr[s] = word;
     }
-    const double whole = sums.total(0), error = sums.total(1), rounded = sums.total(2);
-    if (!std::isfinite(whole) || !std::isfinite(rounded)) return none;
-    // B = |x - x~| |w| + |x~| |w - w~| + g (|x~| |w~| + |x| |w|), each factor rounded up.
-    c_whole[r] = up((std::sqrt(error) + g * std::sqrt(whole)) * slack);
-    c_error[r] = up(std::sqrt(rounded) * slack);
-    c_rounded[r] = up(g * std::sqrt(rounded) * slack);
+    x_scale[r] = scale;
+    SquareSums sums;
+    for (int64_t p0 = 0; p0 < 2 * lay.pairs; p0 += 16) {
+      alignas(64) float part[16];
+      for (int j = 0; j < 16; ++j) part[j] = p0 + j < K - int8_dims ? xr[dims[int8_dims + p0 + j]] : 0.f;
+      const __m512i rounded = _mm512_srli_epi32(sums.add(_mm512_load_ps(part)), 16);
+      alignas(64) uint32_t halves[16];
+      _mm512_store_si512(halves, rounded);
+      for (int j = 0; j < 16 && p0 + j < 2 * lay.pairs; j += 2)
+        wr[lay.quads + (p0 + j) / 2] = halves[j] | halves[j + 1] << 16;  // the first value in the low half
+    }
+    const double whole = int8_whole + sums.total(0), rounded_i = std::sqrt(int8_rounded) * (1.0 + 4 * u);
+    if (!std::isfinite(whole) || !std::isfinite(sums.total(2))) return none;
+    // B = c0 |w_I| + c1 |w_I - w~_I| + c2 |w_B| + c3 |w_B - w~_B| + c4 |w~_B| + c5 |w|, each factor rounded up.
+    coef[r] = {up((std::sqrt(int8_error) + 4 * u * std::sqrt(int8_rounded) + g * rounded_i) * slack),
+               up((1.0 + g) * rounded_i * slack),
+               up(std::sqrt(sums.total(1)) * slack),
+               up(std::sqrt(sums.total(2)) * slack),
+               up(g * std::sqrt(sums.total(2)) * slack),
+               up(g * std::sqrt(whole) * slack)};
   }
   const float* wn = norms.data_ptr<float>();
-  const float* en = wn + N;
-  const float* tn = wn + 2 * N;
   // Flushed products and sums (at most 2^-126 each, K of them) and the float32 arithmetic of a~ + bias and of
   // a~ +- B (a few ulp of their size): far below these.
   const float absolute = static_cast<float>(K) * 0x1p-120f, relative = 0x1p-20f;
@@ -206,7 +376,7 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
   const ScratchFloats tiles(threads * M * kBlock);
   std::vector<float> lows(static_cast<size_t>(threads * M), -std::numeric_limits<float>::infinity());
   std::vector<std::vector<Candidate>> found(static_cast<size_t>(threads * M));
-  const uint16_t* wb = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
+  const uint32_t* wb = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
   std::atomic<bool> unbounded{false};
   parallel_tasks(blocks, [&](int64_t blk, int64_t) {
     const int64_t thread = at::get_thread_num(), c0 = blk * kBlock, ncols = std::min(kBlock, N - c0);
@@ -214,22 +384,44 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
     const int64_t row_tiles = (M + kTileRows - 1) / kTileRows;
     for (int64_t t = 0, r = 0; t < row_tiles; ++t) {
       const int64_t mr = (M - r + (row_tiles - t) - 1) / (row_tiles - t);
-      kScreenTiles[mr - 1](xp.data() + r * pairs, pairs, wb + blk * pairs * 2 * kBlock, pairs, out + r * kBlock);
+      kScreenTiles[mr - 1](words.data() + r * steps, steps, wb + blk * lay.block_words(), lay, x_scale.data() + r,
+                           out + r * kBlock);
       r += mr;
     }
+    const float* largest_norms = reinterpret_cast<const float*>(wb + blk * lay.block_words() + (steps + 2) * kBlock);
     for (int64_t r = 0; r < M; ++r) {
       float& low_best = lows[thread * M + r];
       std::vector<Candidate>& list = found[thread * M + r];
       float* row = out + r * kBlock;
-      const __m512 cw = _mm512_set1_ps(c_whole[r]), ce = _mm512_set1_ps(c_error[r]), ct = _mm512_set1_ps(c_rounded[r]);
+      // First the block as a whole, bounded with its largest norms: most blocks hold no row near the best, and
+      // where even their largest a~ plus that bound is below the floor, no column is a candidate nor can raise the
+      // floor (a~ + B grows with a~: its |a~| term has a factor under 1). NaN anywhere, or a bound that is not
+      // finite, takes the column-by-column path, which declines it.
+      __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      __mmask16 nan = 0;
+      for (int v = 0; v * 16 < ncols; ++v) {
+        const __mmask16 mask = Wide::mask(ncols - 16 * v);
+        __m512 a = _mm512_loadu_ps(row + 16 * v);
+        if (b != nullptr) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(mask, b + c0 + 16 * v));
+        nan |= _mm512_mask_cmp_ps_mask(mask, a, a, _CMP_UNORD_Q);
+        top = _mm512_mask_max_ps(top, mask, top, a);
+      }
+      float block_bound = 0.f;
+      for (int q = 0; q < kNorms; ++q) block_bound += coef[r][q] * largest_norms[q];
+      const float block_top = _mm512_reduce_max_ps(top);
+      block_bound += relative * (std::abs(block_top) + block_bound) + block_bound * relative + absolute;
+      if (nan == 0 && std::isfinite(block_top + block_bound) && block_top + block_bound < low_best) {
+        continue;  // its a~ - B are below the floor too
+      }
       __m512 highs[4];
       for (int v = 0; v * 16 < ncols; ++v) {
         const __mmask16 mask = Wide::mask(ncols - 16 * v);
         __m512 a = _mm512_loadu_ps(row + 16 * v);
         if (b != nullptr) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(mask, b + c0 + 16 * v));
-        __m512 bound = _mm512_mul_ps(cw, _mm512_maskz_loadu_ps(mask, wn + c0 + 16 * v));
-        bound = _mm512_fmadd_ps(ce, _mm512_maskz_loadu_ps(mask, en + c0 + 16 * v), bound);
-        bound = _mm512_fmadd_ps(ct, _mm512_maskz_loadu_ps(mask, tn + c0 + 16 * v), bound);
+        __m512 bound = _mm512_setzero_ps();
+        for (int q = 0; q < kNorms; ++q)
+          bound = _mm512_fmadd_ps(_mm512_set1_ps(coef[r][q]), _mm512_maskz_loadu_ps(mask, wn + q * N + c0 + 16 * v),
+                                  bound);
         bound = _mm512_fmadd_ps(_mm512_set1_ps(relative), _mm512_add_ps(_mm512_abs_ps(a), bound),
                                 _mm512_add_ps(bound, _mm512_set1_ps(absolute)));
         // A bound that is not finite (a huge row, or sums that overflowed) leaves the answer to float32.
@@ -252,7 +444,6 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
     }
   });
   if (unbounded.load()) return none;
-
   // Each row's candidates: those of every thread whose high reaches the row's floor (the best a~ - B of all).
   std::vector<std::vector<int64_t>> left(static_cast<size_t>(M));
   int64_t total = 0;

@@ -52,7 +52,7 @@ at::Tensor linear_row_blocks(const at::Tensor& x, int64_t w_address, int64_t w_f
 at::Tensor linear_row_blocks_argmax(const at::Tensor& x, int64_t w_address, int64_t w_floats, int64_t N,
                                     int64_t block_stride, const c10::optional<at::Tensor>& bias);
 // That W's row-block copy (N rows of K columns in blocks of 64 at block_stride) fits in its w_floats; raises,
-// naming the kernel, where not. Also pack_bf16_screen's check.
+// naming the kernel, where not. Also pack_greedy_screen's check.
 void check_row_block_copy(const char* name, int64_t w_address, int64_t w_floats, int64_t N, int64_t K,
                           int64_t block_stride);
 // x's checks for those and greedy_screen_argmax, with the copy's; the bias's floats or null.
@@ -61,13 +61,14 @@ const float* checked_row_blocks(const char* name, const at::Tensor& x, int64_t w
 #endif
 
 // greedy_screen.cpp
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-std::tuple<at::Tensor, at::Tensor> pack_bf16_screen(int64_t w_address, int64_t w_floats, int64_t N, int64_t K,
-                                                    int64_t block_stride, const c10::optional<at::Tensor>& into_packed,
-                                                    const c10::optional<at::Tensor>& into_norms);
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+std::tuple<at::Tensor, at::Tensor> pack_greedy_screen(int64_t w_address, int64_t w_floats, int64_t N, int64_t K,
+                                                      int64_t block_stride, const at::Tensor& order,
+                                                      int64_t int8_dims, const c10::optional<at::Tensor>& into_packed,
+                                                      const c10::optional<at::Tensor>& into_norms);
 at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& norms,
-                                int64_t w_address, int64_t w_floats, int64_t N, int64_t block_stride,
-                                const c10::optional<at::Tensor>& bias);
+                                const at::Tensor& order, int64_t int8_dims, int64_t w_address, int64_t w_floats,
+                                int64_t N, int64_t block_stride, const c10::optional<at::Tensor>& bias);
 #endif
 
 // decoder_layer.cpp

@@ -9,8 +9,8 @@
 // - linear_row_blocks: x @ W.T (+ bias) read straight from that copy, for the few rows of a decode step;
 //   linear_row_blocks_argmax: the first maximum of each of its rows, for greedy steps over an lm_head
 //   (AVX-512 and AVX2 builds), and row_blocks_equal, which checks that a copy is laid out as it assumes;
-// - pack_bf16_screen, greedy_screen_argmax: greedy over an lm_head from a bfloat16 copy of its weight, exact (the
-//   float32 GEMM's argmax, bit for bit; AVX-512 builds with AVX512-BF16);
+// - pack_greedy_screen, greedy_screen_argmax: greedy over an lm_head from an int8 and bfloat16 copy of its weight,
+//   exact (the float32 GEMM's argmax, bit for bit; AVX-512 builds with AVX512-BF16 and AVX512-VNNI);
 // - paged prefill attention: one prompt chunk, causal, over its context in the paged cache (AVX-512 and AVX2
 //   builds);
 // - decoder_layers: Llama-family decoder layers from the kernels above, a run of them in one call (AVX-512 and
@@ -74,15 +74,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "context, in place into out (CPU, float32, AVX-512 or AVX2)", py::arg("q"), py::arg("kv_cache"),
         py::arg("block_ids"), py::arg("start"), py::arg("scale"), py::arg("out"), release_gil());
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  m.def("pack_bf16_screen", &pack_bf16_screen, "A bfloat16 copy of W's float32 row-block copy for "
-        "greedy_screen_argmax, and the norms of its rows and of their rounding errors, into the previous copy's "
-        "tensors where they fit (CPU, AVX512-BF16)", py::arg("w_address"), py::arg("w_floats"),
-        py::arg("out_features"), py::arg("in_features"), py::arg("block_stride"), py::arg("into_packed") = py::none(),
-        py::arg("into_norms") = py::none(), release_gil());
-  m.def("greedy_screen_argmax", &greedy_screen_argmax, "linear_row_blocks_argmax's answer from a bfloat16 screen of "
-        "W and float32 sums of the rows it cannot rule out; empty where it cannot answer (CPU, AVX512-BF16)",
-        py::arg("x"), py::arg("packed"), py::arg("norms"), py::arg("w_address"), py::arg("w_floats"),
-        py::arg("out_features"), py::arg("block_stride"), py::arg("bias") = py::none(), release_gil());
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  m.def("pack_greedy_screen", &pack_greedy_screen, "The screen's copy of W's float32 row-block copy for "
+        "greedy_screen_argmax (the first int8_dims of the dimensions in order in int8, the rest in bfloat16), and "
+        "the norms of its rows' parts and of their rounding errors, into the previous copy's tensors where they fit "
+        "(CPU, AVX512-BF16 and AVX512-VNNI)", py::arg("w_address"), py::arg("w_floats"), py::arg("out_features"),
+        py::arg("in_features"), py::arg("block_stride"), py::arg("order"), py::arg("int8_dims"),
+        py::arg("into_packed") = py::none(), py::arg("into_norms") = py::none(), release_gil());
+  m.def("greedy_screen_argmax", &greedy_screen_argmax, "linear_row_blocks_argmax's answer from a screen of W in "
+        "int8 and bfloat16 and float32 sums of the rows it cannot rule out; empty where it cannot answer (CPU, "
+        "AVX512-BF16 and AVX512-VNNI)", py::arg("x"), py::arg("packed"), py::arg("norms"), py::arg("order"),
+        py::arg("int8_dims"), py::arg("w_address"), py::arg("w_floats"), py::arg("out_features"),
+        py::arg("block_stride"), py::arg("bias") = py::none(), release_gil());
 #endif
 }
