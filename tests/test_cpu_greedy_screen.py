@@ -82,9 +82,10 @@ def answers(kernels: ModuleType, layer: Linear, x: torch.Tensor, bias: torch.Ten
     copy = layer.row_block_weight()
     assert screen is not None and copy is not None
     address, floats, out_features, stride = copy
-    screened = kernels.greedy_screen_argmax(
-        x, screen.packed, screen.norms, screen.order, screen.int8_dims, address, floats, out_features, stride, bias
-    )
+    args = (x, screen.packed, screen.norms, screen.order, screen.int8_dims, address, floats, out_features, stride)
+    screened = kernels.greedy_screen_argmax(*args, bias)
+    # The rows left for float32 read from W itself: the same sums.
+    assert torch.equal(kernels.greedy_screen_argmax(*args, bias, layer.weight.detach()), screened)
     exact = kernels.linear_row_blocks_argmax(x, address, floats, out_features, stride, bias)
     return screened, exact
 

@@ -79,15 +79,22 @@ class GreedyScreen:
         return copy
 
     def argmax(
-        self, x: torch.Tensor, weight_copy: tuple[int, int, int, int], generation: int, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight_copy: tuple[int, int, int, int],
+        generation: int,
+        bias: torch.Tensor | None,
+        rows: torch.Tensor | None,
     ) -> torch.Tensor | None:
-        """Each row's first maximum of ``x @ W.T + bias``, or None where the screen cannot vouch for it."""
+        """Each row's first maximum of ``x @ W.T + bias``, or None where the screen cannot vouch for it. ``rows``:
+        W itself, holding the copy's values (the plain weight where it is kept), from which the rows left for
+        float32 are read a run of memory each (the row-block copy gives them a cache line for each value)."""
         if self._rows_seen < SAMPLE_ROWS:
             self._observe(x)
         copy = self.copy_for(weight_copy, generation)
         address, floats, out_features, stride = weight_copy
         tokens = self.kernels.greedy_screen_argmax(
-            x, copy.packed, copy.norms, copy.order, copy.int8_dims, address, floats, out_features, stride, bias
+            x, copy.packed, copy.norms, copy.order, copy.int8_dims, address, floats, out_features, stride, bias, rows
         )
         return tokens if tokens.numel() == x.shape[0] else None
 

@@ -111,7 +111,9 @@ class Linear(nn.Linear):
         assert self.kernels is not None
         screen = self._screen_object()
         if screen is not None:
-            tokens = screen.argmax(x, copy, self._generation, self.bias)
+            plain = self.weight.detach() if self._released is None else None
+            rows = plain if plain is not None and plain.dtype == torch.float32 and plain.is_contiguous() else None
+            tokens = screen.argmax(x, copy, self._generation, self.bias, rows)
             if tokens is not None:
                 return tokens
         address, floats, out_features, stride = copy

@@ -297,10 +297,11 @@ std::tuple<at::Tensor, at::Tensor> pack_greedy_screen(int64_t w_address, int64_t
 // empty tensor where the screen cannot answer (x not finite, too many rows, or too many rows of W left for the
 // float32 pass: the caller then runs linear_row_blocks_argmax). The rows left are summed from W's float32
 // row-block copy (linear_row_blocks' arguments), which the screen's copy was made from with the same order and
-// int8_dims.
+// int8_dims, or from `rows`, W itself, where given (the same values).
 at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& norms,
                                 const at::Tensor& order, int64_t int8_dims, int64_t w_address, int64_t w_floats,
-                                int64_t N, int64_t block_stride, const c10::optional<at::Tensor>& bias) {
+                                int64_t N, int64_t block_stride, const c10::optional<at::Tensor>& bias,
+                                const c10::optional<at::Tensor>& rows) {
   const float* b = checked_row_blocks("greedy_screen_argmax", x, w_address, w_floats, N, block_stride, bias);
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t* dims = checked_order("greedy_screen_argmax", order, K, int8_dims);
@@ -461,7 +462,16 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
 
   at::Tensor result = at::empty({M}, x.options().dtype(at::kLong));
   int64_t* res = result.data_ptr<int64_t>();
-  const float* w = reinterpret_cast<const float*>(w_address);
+  // The candidates' float32 values from W's rows where the caller has them ([N, K], each row one run of memory:
+  // K / 16 cache lines a candidate), else from the row-block copy (a line for each k of a candidate).
+  const bool by_rows = rows.has_value();
+  if (by_rows) {
+    TORCH_CHECK(rows->scalar_type() == at::kFloat && rows->is_contiguous() && rows->dim() == 2 &&
+                    rows->size(0) == N && rows->size(1) == K && rows->device().is_cpu(),
+                "greedy_screen_argmax: rows must be W as a contiguous float32 [", N, ", ", K, "] CPU tensor");
+  }
+  const float* w = by_rows ? rows->data_ptr<float>() : reinterpret_cast<const float*>(w_address);
+  const int64_t k_step = by_rows ? 1 : kBlock;
   parallel_tasks(M, [&](int64_t r, int64_t) {
     const std::vector<int64_t>& cols = left[r];
     const float* xr = xs + r * ldx;
@@ -474,12 +484,12 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
       int64_t offsets[8];
       for (int l = 0; l < 8; ++l) {
         const int64_t c = cols[i + std::min(l, lanes - 1)];
-        offsets[l] = (c / kBlock) * block_stride + c % kBlock;
+        offsets[l] = by_rows ? c * K : (c / kBlock) * block_stride + c % kBlock;
       }
       const __m512i idx = _mm512_loadu_si512(offsets);
       __m256 acc = _mm256_setzero_ps();
       for (int64_t k = 0; k < K; ++k) {
-        const __m256 wv = _mm512_i64gather_ps(idx, w + k * kBlock, 4);
+        const __m256 wv = _mm512_i64gather_ps(idx, w + k * k_step, 4);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(xr[k]), wv, acc);
       }
       float sums[8];

@@ -68,7 +68,8 @@ std::tuple<at::Tensor, at::Tensor> pack_greedy_screen(int64_t w_address, int64_t
                                                       const c10::optional<at::Tensor>& into_norms);
 at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& norms,
                                 const at::Tensor& order, int64_t int8_dims, int64_t w_address, int64_t w_floats,
-                                int64_t N, int64_t block_stride, const c10::optional<at::Tensor>& bias);
+                                int64_t N, int64_t block_stride, const c10::optional<at::Tensor>& bias,
+                                const c10::optional<at::Tensor>& rows);
 #endif
 
 // decoder_layer.cpp

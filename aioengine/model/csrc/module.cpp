@@ -82,9 +82,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("in_features"), py::arg("block_stride"), py::arg("order"), py::arg("int8_dims"),
         py::arg("into_packed") = py::none(), py::arg("into_norms") = py::none(), release_gil());
   m.def("greedy_screen_argmax", &greedy_screen_argmax, "linear_row_blocks_argmax's answer from a screen of W in "
-        "int8 and bfloat16 and float32 sums of the rows it cannot rule out; empty where it cannot answer (CPU, "
-        "AVX512-BF16 and AVX512-VNNI)", py::arg("x"), py::arg("packed"), py::arg("norms"), py::arg("order"),
-        py::arg("int8_dims"), py::arg("w_address"), py::arg("w_floats"), py::arg("out_features"),
-        py::arg("block_stride"), py::arg("bias") = py::none(), release_gil());
+        "int8 and bfloat16 and float32 sums of the rows it cannot rule out (read from rows, W itself, where given); "
+        "empty where it cannot answer (CPU, AVX512-BF16 and AVX512-VNNI)", py::arg("x"), py::arg("packed"),
+        py::arg("norms"), py::arg("order"), py::arg("int8_dims"), py::arg("w_address"), py::arg("w_floats"),
+        py::arg("out_features"), py::arg("block_stride"), py::arg("bias") = py::none(), py::arg("rows") = py::none(),
+        release_gil());
 #endif
 }
