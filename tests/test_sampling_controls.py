@@ -1,7 +1,8 @@
-"""Specification of the sampler's logit controls, processed logits, seeded samples and ``gather_logprobs``.
+"""Specification of the sampler's logit controls: each one, the order they combine in, and greedy rows under them.
 
 Each control is checked against a reference written in plain Python from its definition (OpenAI, vLLM,
-HF transformers) on one hand-picked row of 12 logits.
+HF transformers) on one hand-picked row of 12 logits. How the sampler treats a batch's rows, seeded samples
+and ``gather_logprobs`` are specified in test_sampling_batches.py, which uses the references and ``run`` here.
 """
 
 from __future__ import annotations
@@ -10,11 +11,10 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-import pytest
 import torch
 
 from aioengine.sampling.params import SamplingParams
-from aioengine.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs, row_seed
+from aioengine.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
 from tests.helpers import hf_generate
 
 V = 12
@@ -139,25 +139,6 @@ def argmax(row: Sequence[float]) -> int:
     return max(range(len(row)), key=lambda t: (row[t], -t))
 
 
-# --- row_seed ----------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("seed", "output_index", "expected"),
-    [(0, 0, 6017775124710473527), (42, 7, 793502930448478848), (2**63 + 5, 123, 4295796606147607190)],
-)
-def test_row_seed_of_sample_zero_is_the_single_sample_seed(seed, output_index, expected):
-    # Values of row_seed(seed, output_index) before sample indices existed.
-    assert row_seed(seed, output_index) == expected
-    assert row_seed(seed, output_index, 0) == expected
-
-
-def test_row_seed_differs_per_sample_index():
-    seeds = {row_seed(42, i, s) for i in range(20) for s in range(20)}
-    assert len(seeds) == 400
-    assert all(0 <= s < 2**63 for s in seeds)
-
-
 # --- each control against its reference ------------------------------------------------------------
 
 
@@ -258,7 +239,7 @@ def test_banned_ids_are_never_picked():
     assert not {3, 8, 0} & set(tokens)
 
 
-# --- order, greedy rows, batches ---------------------------------------------------------------------
+# --- order, greedy rows ------------------------------------------------------------------------------
 
 
 def test_controls_combine_in_the_documented_order():
@@ -347,191 +328,3 @@ def test_greedy_with_repetition_penalty_equals_hf_generate(llama_ckpt: Path):
 
     assert decode(penalty) == hf
     assert decode(1.0) != hf  # the penalty changed the path
-
-
-def _batch(controlled: SamplingParams | None) -> tuple[list[SamplingParams], list[tuple[list[int], int] | None]]:
-    """Plain rows (seeded random, greedy, seeded top-p) around row 1, which ``controlled`` replaces."""
-    params = [
-        SamplingParams(seed=1),
-        SamplingParams(**GREEDY),
-        SamplingParams(seed=2, top_p=0.9),
-        SamplingParams(**GREEDY),
-    ]
-    histories: list[tuple[list[int], int] | None] = [None] * 4
-    if controlled is not None:
-        params[1] = controlled
-        histories[1] = ([1, 2, 3, 3], 2)
-    return params, histories
-
-
-def test_rows_without_controls_are_bit_identical_beside_a_controlled_row():
-    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0))
-    controlled = SamplingParams(
-        temperature=0.9,
-        seed=3,
-        min_p=0.2,
-        logit_bias={7: 5.0},
-        allowed_token_ids=list(range(100)),
-        bad_words_token_ids=[[3, 9]],
-        repetition_penalty=1.4,
-        presence_penalty=0.5,
-        frequency_penalty=0.5,
-    )
-    params, _ = _batch(None)
-    plain = run(params, logits)
-    params, histories = _batch(controlled)
-    mixed = run(params, logits, histories=histories, banned=[None, [0, 1], None, None])
-    assert plain.processed_logits is not None and mixed.processed_logits is not None
-    others = [0, 2, 3]
-    assert torch.equal(mixed.token_ids[others], plain.token_ids[others])
-    assert torch.equal(mixed.processed_logits[others], plain.processed_logits[others])
-    assert not torch.equal(mixed.processed_logits[1], plain.processed_logits[1])
-
-
-def test_metadata_leaves_every_control_off_when_no_row_uses_it():
-    meta = SamplingMetadata.build([SamplingParams(), SamplingParams(**GREEDY)], [0, 0], "cpu", vocab_size=V)
-    assert meta.min_p is None and meta.disallowed is None and meta.banned is None
-    assert meta.logit_bias is None and meta.penalties is None and not meta.return_processed
-
-
-def test_all_greedy_batch_without_controls_is_one_argmax_of_the_logits_themselves():
-    seen: list[torch.Tensor] = []
-
-    def spy(x: torch.Tensor) -> torch.Tensor:
-        seen.append(x)
-        return x.argmax(dim=-1)
-
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
-    meta = SamplingMetadata.build([SamplingParams(**GREEDY)] * 3, [0] * 3, "cpu", vocab_size=50)
-    out = Sampler(argmax=spy)(logits, meta)
-    assert len(seen) == 1 and seen[0] is logits
-    assert torch.equal(out.token_ids, logits.argmax(dim=-1)) and out.processed_logits is None
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_input_logits_are_unchanged(dtype):
-    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(2)).to(dtype)
-    before = logits.clone()
-    params = [
-        SamplingParams(logit_bias={1: 3.0}, allowed_token_ids=[1, 2, 3], min_p=0.1, top_k=2),
-        SamplingParams(repetition_penalty=1.5, frequency_penalty=1.0, bad_words_token_ids=[[4]], **GREEDY),
-        SamplingParams(**GREEDY),
-        SamplingParams(top_p=0.5),
-    ]
-    histories = [None, ([4, 5, 6], 1), None, None]
-    out = run(params, logits, histories=histories, banned=[[2], None, [0], None])
-    assert torch.equal(logits, before)
-    assert out.processed_logits is not None and out.processed_logits.dtype == torch.float32
-    assert out.token_ids.dtype == torch.int64
-
-
-def test_processed_logits_follow_each_row_of_a_mixed_batch():
-    prompt, output = [0, 1], [2, 2]
-    params = [
-        SamplingParams(temperature=0.5, top_k=4, logit_bias={9: 4.0}),
-        SamplingParams(frequency_penalty=1.0, allowed_token_ids=[2, 3, 8], **GREEDY),
-        SamplingParams(temperature=1.3, top_p=0.6, repetition_penalty=1.2),
-    ]
-    history = (prompt + output, len(prompt))
-    out = run(params, histories=[None, history, history], banned=[None, [8], None])
-    assert out.processed_logits is not None
-    assert_rows_close(out.processed_logits[0].tolist(), ref_processed(params[0], [], [], banned=[]))
-    assert_rows_close(out.processed_logits[1].tolist(), ref_processed(params[1], prompt, output, banned=[8]))
-    assert_rows_close(out.processed_logits[2].tolist(), ref_processed(params[2], prompt, output, banned=[]))
-    assert out.token_ids[1] == 3
-
-
-def test_greedy_processed_logits_keep_tokens_other_rows_top_p_would_drop():
-    # A token 200 below the top has probability 0 in float32, which a top-p of 1.0 would still drop.
-    logits = torch.tensor([[3.0, -200.0, 0.0, 1.0]] * 2)
-    out = run([SamplingParams(top_p=0.5), SamplingParams(logit_bias={2: 1.0}, **GREEDY)], logits)
-    assert out.processed_logits is not None
-    assert out.processed_logits[1].tolist() == [3.0, -200.0, 1.0, 1.0]
-
-
-def test_processed_logits_are_none_unless_asked_for():
-    assert (
-        run([SamplingParams(), SamplingParams(logit_bias={1: 1.0}, **GREEDY)], processed=False).processed_logits is None
-    )
-
-
-def test_a_row_using_history_without_one_is_refused():
-    with pytest.raises(ValueError, match="history"):
-        run([SamplingParams(presence_penalty=1.0)], histories=[None])
-
-
-def test_token_ids_outside_the_vocabulary_are_refused():
-    with pytest.raises(ValueError, match="logit_bias"):
-        run([SamplingParams(logit_bias={V: 1.0})])
-    with pytest.raises(ValueError, match="banned"):
-        run([SamplingParams()], banned=[[V + 3]])
-
-
-# --- seeded samples ----------------------------------------------------------------------------------
-
-
-def _seeded(logits_row: torch.Tensor, seed: int, output_index: int, sample_index: int) -> int:
-    params = [SamplingParams(seed=seed)]
-    out = run(params, logits_row[None], output_indices=[output_index], sample_indices=[sample_index], processed=False)
-    return int(out.token_ids[0])
-
-
-def test_seeded_sample_ignores_the_rest_of_the_batch():
-    row = torch.randn(500, generator=torch.Generator().manual_seed(3))
-    others = torch.randn(3, 500, generator=torch.Generator().manual_seed(4))
-    mine = SamplingParams(seed=42)
-    crowd = [SamplingParams(logit_bias={1: 2.0}), SamplingParams(**GREEDY), SamplingParams(seed=42), mine]
-    for n in range(20):
-        alone = _seeded(row, 42, n, 2)
-        out = run(crowd, torch.cat([others, row[None]]), output_indices=[5, 0, n, n], sample_indices=[0, 0, 1, 2])
-        assert int(out.token_ids[3]) == alone
-
-
-def test_sample_zero_draws_what_a_single_sample_request_draws():
-    row = torch.randn(500, generator=torch.Generator().manual_seed(5))
-    single = [int(run([SamplingParams(seed=9)], row[None], output_indices=[n]).token_ids[0]) for n in range(20)]
-    assert [_seeded(row, 9, n, 0) for n in range(20)] == single
-
-
-def test_different_sample_indices_give_independent_draws():
-    uniform = torch.zeros(1000)
-    streams = [[_seeded(uniform, 42, n, s) for n in range(50)] for s in range(3)]
-    assert streams[0] != streams[1] and streams[1] != streams[2] and streams[0] != streams[2]
-    # At one output position, 200 sample indices draw like 200 uniform draws over 1000 (~181 distinct).
-    assert len({_seeded(uniform, 42, 0, s) for s in range(200)}) > 150
-
-
-# --- gather_logprobs ---------------------------------------------------------------------------------
-
-
-def _direct_logprobs(logprobs: torch.Tensor, chosen: list[int], k: int) -> list[tuple[int, float, int]]:
-    rows = []
-    for r, row in enumerate(logprobs.tolist()):
-        c = chosen[r]
-        rows.append((c, row[c], sum(x >= row[c] for x in row)))
-    return rows
-
-
-@pytest.mark.parametrize("k", [0, 1, 3, V])
-def test_gather_logprobs_matches_a_direct_computation(k):
-    logits = torch.tensor([ROW, [1.0, 1.0, 0.0, 2.0, 2.0, 2.0, -1.0, 0.0, 1.0, -5.0, 0.5, 0.5]])
-    logprobs = logits.log_softmax(dim=-1)
-    chosen = [5, 0]  # in row 1, token 0 ties with 1 and 8 below three tied maxima
-    ids, values, ranks = gather_logprobs(logprobs, torch.tensor(chosen), k)
-    assert ids.shape == values.shape == ranks.shape == (2, 1 + k)
-    assert ids.dtype == ranks.dtype == torch.int64 and values.dtype == torch.float32
-    for r, (c, value, rank) in enumerate(_direct_logprobs(logprobs, chosen, k)):
-        assert (ids[r, 0].item(), values[r, 0].item(), ranks[r, 0].item()) == (c, value, rank)
-        row = logprobs[r].tolist()
-        top = sorted(row, reverse=True)[:k]
-        assert values[r, 1:].tolist() == top
-        assert [row[t] for t in ids[r, 1:].tolist()] == top and len(set(ids[r, 1:].tolist())) == k
-        assert ranks[r, 1:].tolist() == list(range(1, k + 1))
-    assert ranks[0, 0].item() == 8  # no ties: 1 + the number of larger entries
-    assert ranks[1, 0].item() == 6  # tied with two others: they all count
-
-
-def test_gather_logprobs_ranks_the_unique_argmax_first():
-    logprobs = torch.tensor([ROW]).log_softmax(dim=-1)
-    ids, _, ranks = gather_logprobs(logprobs, torch.tensor([3]), 2)
-    assert ids.tolist() == [[3, 3, 8]] and ranks.tolist() == [[1, 1, 2]]
