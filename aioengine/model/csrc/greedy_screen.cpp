@@ -83,11 +83,11 @@ struct Int8Sums {
   __m512d sums[2][2] = {};  // [|v|^2, |v - s q|^2][lanes 0-7, 8-15]
 
   void add(__m512 v, __m512 s, __m512i q) {
-    const __m512 sq_parts[2] = {v, s};
-    __m512d halves[2][2];  // [v, s q][lo, hi]
+    const __m512 parts[2] = {v, s};
+    __m512d halves[2][2];  // [v, s][lo, hi]
     for (int i = 0; i < 2; ++i) {
-      halves[i][0] = _mm512_cvtps_pd(_mm512_castps512_ps256(sq_parts[i]));
-      halves[i][1] = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sq_parts[i]), 1)));
+      halves[i][0] = _mm512_cvtps_pd(_mm512_castps512_ps256(parts[i]));
+      halves[i][1] = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(parts[i]), 1)));
     }
     const __m512d qd[2] = {_mm512_cvtepi32_pd(_mm512_castsi512_si256(q)),
                            _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(q, 1))};
