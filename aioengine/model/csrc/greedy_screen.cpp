@@ -78,9 +78,17 @@ struct SquareSums {
   double total(int q) const { return _mm512_reduce_add_pd(_mm512_add_pd(sums[q][0], sums[q][1])); }
 };
 
-// Squared norms of the int8 part, lane by lane in double: |v|^2 and |v - s q|^2 (s q exact in double).
+// v's int8 values q = v * inverse rounded to nearest, within +-127 (the copy's and x's alike).
+inline __m512i quantize_int8(__m512 v, __m512 inverse) {
+  const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse));
+  return _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+}
+
+// The three squared norms a bound needs of an int8 part, |v|^2, |v - s q|^2 and |s q|^2, summed lane by lane in
+// double (s q exact there) over the vectors added: for W's copy each lane is a column, for x the lanes are summed
+// at the end.
 struct Int8Sums {
-  __m512d sums[2][2] = {};  // [|v|^2, |v - s q|^2][lanes 0-7, 8-15]
+  __m512d sums[3][2] = {};  // [quantity][lanes 0-7, 8-15]
 
   void add(__m512 v, __m512 s, __m512i q) {
     const __m512 parts[2] = {v, s};
@@ -92,15 +100,18 @@ struct Int8Sums {
     const __m512d qd[2] = {_mm512_cvtepi32_pd(_mm512_castsi512_si256(q)),
                            _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(q, 1))};
     for (int h = 0; h < 2; ++h) {
-      const __m512d err = _mm512_sub_pd(halves[0][h], _mm512_mul_pd(halves[1][h], qd[h]));
+      const __m512d rounded = _mm512_mul_pd(halves[1][h], qd[h]);
+      const __m512d err = _mm512_sub_pd(halves[0][h], rounded);
       sums[0][h] = _mm512_fmadd_pd(halves[0][h], halves[0][h], sums[0][h]);
       sums[1][h] = _mm512_fmadd_pd(err, err, sums[1][h]);
+      sums[2][h] = _mm512_fmadd_pd(rounded, rounded, sums[2][h]);
     }
   }
   void lanes(int q, double* out) const {
     _mm512_storeu_pd(out, sums[q][0]);
     _mm512_storeu_pd(out + 8, sums[q][1]);
   }
+  double total(int q) const { return _mm512_reduce_add_pd(_mm512_add_pd(sums[q][0], sums[q][1])); }
 };
 
 // A block of the copy is `steps` = quads + pairs words for each of its 64 columns ([step][column]), then the
@@ -249,8 +260,7 @@ std::tuple<at::Tensor, at::Tensor> pack_greedy_screen(int64_t w_address, int64_t
           __m512i word = _mm512_setzero_si512();
           for (int j = 0; j < 4; ++j) {
             const __m512 v = load(4 * s + j, int8_dims);
-            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse));
-            q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+            const __m512i q = quantize_int8(v, inverse);
             int8_sums.add(v, scale, q);
             total = _mm512_add_epi32(total, q);
             word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0xFF)), 8 * j));
@@ -325,39 +335,40 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
   std::vector<std::array<float, kNorms>> coef(M);
   const double u = 0x1p-23, g = static_cast<double>(K) * u / (1.0 - static_cast<double>(K) * u);
   const double slack = 1.0 + 0x1p-20;
+  // A row in `order`, each part zero-padded to whole registers: the int8 part's 4 * quads, then the bfloat16's.
+  const int64_t int8_floats = (4 * lay.quads + 15) / 16 * 16, bf16_floats = (2 * lay.pairs + 15) / 16 * 16;
+  std::vector<float> permuted(static_cast<size_t>(int8_floats + bf16_floats), 0.f);
   for (int64_t r = 0; r < M; ++r) {
     const float* xr = xs + r * ldx;
     uint32_t* wr = words.data() + r * steps;
-    float largest = 0.f;
-    for (int64_t i = 0; i < int8_dims; ++i) largest = std::max(largest, std::abs(xr[dims[i]]));
+    for (int64_t i = 0; i < int8_dims; ++i) permuted[i] = xr[dims[i]];
+    for (int64_t i = int8_dims; i < K; ++i) permuted[int8_floats + i - int8_dims] = xr[dims[i]];
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t i = 0; i < int8_floats; i += 16)
+      top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(&permuted[i])));
+    const float largest = _mm512_reduce_max_ps(top);
     if (!std::isfinite(largest)) return none;
     const float scale = largest / 127.f, inverse = largest > 0.f ? 127.f / largest : 0.f;
-    double int8_whole = 0.0, int8_error = 0.0, int8_rounded = 0.0;
-    for (int64_t s = 0; s < lay.quads; ++s) {
-      uint32_t word = 0;
-      for (int j = 0; j < 4; ++j) {
-        const int64_t i = 4 * s + j;
-        const float v = i < int8_dims ? xr[dims[i]] : 0.f;
-        const int q = std::clamp(static_cast<int>(std::nearbyint(v * inverse)), -127, 127);
-        const double rounded = static_cast<double>(scale) * q, e = static_cast<double>(v) - rounded;
-        int8_whole += static_cast<double>(v) * v;
-        int8_error += e * e;
-        int8_rounded += rounded * rounded;
-        word |= static_cast<uint32_t>(q + 128) << (8 * j);  // VPDPBUSD's unsigned bytes: q + 128
-      }
-      wr[s] = word;
+    Int8Sums int8_sums;
+    uint8_t* bytes = reinterpret_cast<uint8_t*>(wr);  // VPDPBUSD's unsigned bytes: q + 128, value i at byte i
+    for (int64_t i = 0; i < int8_floats; i += 16) {
+      const __m512 v = _mm512_loadu_ps(&permuted[i]);
+      const __m512i q = quantize_int8(v, _mm512_set1_ps(inverse));
+      int8_sums.add(v, _mm512_set1_ps(scale), q);
+      _mm512_mask_cvtepi32_storeu_epi8(bytes + i, Wide::mask(4 * lay.quads - i),
+                                       _mm512_add_epi32(q, _mm512_set1_epi32(128)));
     }
     x_scale[r] = scale;
     SquareSums sums;
     for (int64_t p0 = 0; p0 < 2 * lay.pairs; p0 += 16) {
-      alignas(64) float part[16];
-      for (int j = 0; j < 16; ++j) part[j] = p0 + j < K - int8_dims ? xr[dims[int8_dims + p0 + j]] : 0.f;
-      const __m512i rounded = _mm512_srli_epi32(sums.add(_mm512_load_ps(part)), 16);
+      const __m512i rounded = _mm512_srli_epi32(sums.add(_mm512_loadu_ps(&permuted[int8_floats + p0])), 16);
       alignas(64) uint32_t halves[16];
       _mm512_store_si512(halves, rounded);
       for (int j = 0; j < 16 && p0 + j < 2 * lay.pairs; j += 2)
         wr[lay.quads + (p0 + j) / 2] = halves[j] | halves[j + 1] << 16;  // the first value in the low half
     }
+    const double int8_whole = int8_sums.total(0), int8_error = int8_sums.total(1);
+    const double int8_rounded = int8_sums.total(2);
     const double whole = int8_whole + sums.total(0), rounded_i = std::sqrt(int8_rounded) * (1.0 + 4 * u);
     if (!std::isfinite(whole) || !std::isfinite(sums.total(2))) return none;
     // B = c0 |w_I| + c1 |w_I - w~_I| + c2 |w_B| + c3 |w_B - w~_B| + c4 |w~_B| + c5 |w|, each factor rounded up.
