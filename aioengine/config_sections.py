@@ -134,7 +134,7 @@ class CacheConfig(_Section):
 
 
 class SchedulerConfig(_Section):
-    """How many sequences and tokens one engine step may batch.
+    """How many sequences and tokens one engine step may batch, and how the step loop runs.
 
     Without chunked prefill a whole prompt must fit in ``max_num_batched_tokens``;
     the engine checks that against ``max_model_len`` once the model is known.
@@ -159,6 +159,16 @@ class SchedulerConfig(_Section):
             "What happens to a request preempted when KV blocks run out: 'recompute' frees its blocks and "
             "computes them again when it resumes; 'swap' copies them to a host pool of cache.swap_space_bytes "
             "and back (recompute when the pool is full)."
+        ),
+    )
+    freeze_gc: bool = Field(
+        True,
+        description=(
+            "Once the engine has started, freeze every object then alive out of Python's garbage collector "
+            "(gc.freeze) until the last engine of the process stops: a full collection of the start-up heap "
+            "stops the event loop and the worker for 150-200 ms; after it, collections walk only what serving "
+            "allocated. Worker processes freeze after their warm-up. Off: the process's collector is left as it "
+            "is (an application that froze its own heap and wants it kept frozen after the engine stops)."
         ),
     )
 

@@ -8,6 +8,7 @@ start and shutdown build engines of their own.
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
 import os
 import signal
@@ -44,7 +45,7 @@ in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
 def mp_config(path: Path, backend: str = "mp", **sections: Any) -> EngineConfig:
     parallel = {"distributed_executor_backend": backend, **sections.pop("parallel", {})}
-    scheduler = {"max_num_batched_tokens": MAX_BATCHED_TOKENS}
+    scheduler = {"max_num_batched_tokens": MAX_BATCHED_TOKENS, **sections.pop("scheduler", {})}
     return engine_config(path, parallel=parallel, cache={"num_blocks": 128}, scheduler=scheduler, **sections)
 
 
@@ -82,6 +83,17 @@ async def test_greedy_tokens_over_mp_equal_those_over_the_thread_executor(
     async with AsyncEngine(mp_config(llama_ckpt, backend="thread")) as threaded:
         assert over_mp == await greedy(threaded)
     assert all(len(tokens) == NEW_TOKENS for tokens in over_mp)
+
+
+@in_module_loop
+async def test_the_worker_process_froze_its_start_up_heap_after_its_warm_up(mp_engine: AsyncEngine) -> None:
+    [frozen] = await mp_engine.collective_rpc(lambda worker: gc.get_freeze_count())
+    assert frozen > 0
+
+
+async def test_freeze_gc_off_leaves_the_worker_process_s_collector_alone(llama_ckpt: Path) -> None:
+    async with AsyncEngine(mp_config(llama_ckpt, scheduler={"freeze_gc": False})) as engine:
+        assert await engine.collective_rpc(lambda worker: gc.get_freeze_count()) == [0]
 
 
 @in_module_loop

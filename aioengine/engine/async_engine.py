@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from aioengine import gc_heap
 from aioengine.config import EngineConfig
 from aioengine.engine import intake
 from aioengine.engine.control import EngineControl
@@ -62,6 +63,8 @@ class AsyncEngine(ControlAPI):
         self._start_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop the engine was started in: its step loop and every stream live there."""
+        self._holds_gc_freeze = False
+        """This engine holds the process's freeze of its start-up heap (``aioengine.gc_heap``)."""
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
@@ -87,6 +90,9 @@ class AsyncEngine(ControlAPI):
                 await asyncio.to_thread(self.executor.shutdown)
                 raise
             self._started = True
+            if self.config.scheduler.freeze_gc:
+                gc_heap.hold()  # last: what the start built (the model, the tokenizer) is frozen too
+                self._holds_gc_freeze = True
             logger.info(
                 "engine ready in %.2fs: %d KV blocks of %d tokens",
                 time.perf_counter() - started,
@@ -141,10 +147,15 @@ class AsyncEngine(ControlAPI):
             return
         self._closed = True
         async with self._start_lock:
-            if self.core is not None:
-                await self.core.stop()
-            if self.executor is not None:
-                await asyncio.to_thread(self.executor.shutdown)
+            try:
+                if self.core is not None:
+                    await self.core.stop()
+                if self.executor is not None:
+                    await asyncio.to_thread(self.executor.shutdown)
+            finally:
+                if self._holds_gc_freeze:
+                    self._holds_gc_freeze = False
+                    gc_heap.release()
 
     # ---- requests ----------------------------------------------------------------------------------
     def _require_core(self) -> EngineCore:

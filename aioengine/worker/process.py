@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 
 import cloudpickle  # type: ignore[import-untyped]
 
+from aioengine import gc_heap
 from aioengine.worker.step_wire import StepDecoder, StepMessage
 from aioengine.worker.wrapper import WorkerWrapper
 
@@ -79,6 +80,9 @@ def run_call(data: bytes, wrapper: WorkerWrapper, steps: StepDecoder | None = No
             result = None
         elif isinstance(method, str):
             result = getattr(wrapper, method)(*args, **kwargs)
+            worker = wrapper.worker
+            if method == "compile_or_warm_up_model" and worker is not None and worker.config.scheduler.freeze_gc:
+                gc_heap.freeze_for_good()  # the rank's heap is built: its model, its kernels, its warm-up
         else:
             result = pickle.loads(method)(wrapper.worker, *args, **kwargs)
     except Exception as exc:
