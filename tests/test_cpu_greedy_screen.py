@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from aioengine import AsyncEngine
+from aioengine.model.greedy_screen import Split, choose_split, int8_error
 from aioengine.model.linear import Linear
 from tests.helpers import hf_generate, packed_linear, torch_threads
 from tests.test_cpu_kernels import NEW_TOKENS, PROMPTS, greedy
@@ -68,13 +69,12 @@ def set_split(layer: Linear, split: str) -> None:
     assert screen is not None
     k = layer.in_features
     if split == "bfloat16":
-        screen.order, screen.int8_dims = torch.arange(k), 0
+        screen.split = Split.bfloat16(k)
     elif split == "int8":
-        screen.order, screen.int8_dims = torch.arange(k), k
+        screen.split = Split(torch.arange(k), k)
     else:
         wide = torch.arange(k) % 3 == 0
-        screen.order = torch.cat([torch.arange(k)[~wide].flip(0), torch.arange(k)[wide]])
-        screen.int8_dims = int((~wide).sum())
+        screen.split = Split(torch.cat([torch.arange(k)[~wide].flip(0), torch.arange(k)[wide]]), int((~wide).sum()))
 
 
 def answers(kernels: ModuleType, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, Any]:
@@ -82,7 +82,8 @@ def answers(kernels: ModuleType, layer: Linear, x: torch.Tensor, bias: torch.Ten
     copy = layer.row_block_weight()
     assert screen is not None and copy is not None
     address, floats, out_features, stride = copy
-    args = (x, screen.packed, screen.norms, screen.order, screen.int8_dims, address, floats, out_features, stride)
+    split = screen.split
+    args = (x, screen.packed, screen.norms, split.order, split.int8_dims, address, floats, out_features, stride)
     screened = kernels.greedy_screen_argmax(*args, bias)
     # The rows left for float32 read from W itself: the same sums.
     assert torch.equal(kernels.greedy_screen_argmax(*args, bias, layer.weight.detach()), screened)
@@ -130,7 +131,7 @@ def test_the_copy_holds_each_weight_rounded_to_bfloat16_and_norms_that_bound_it(
         layer.weight[0, :4] = torch.tensor([1e-40, -1e-39, 3.0e38, 1.0 + 2**-8])  # denormals; large; a tie to even
     layer.mark_packed_stale()
     screen = layer.greedy_screen_copy()
-    assert screen is not None and screen.int8_dims == 0
+    assert screen is not None and screen.split.int8_dims == 0
     pairs = 37 // 2 + 1
     assert screen.packed.shape == (3, pairs + 3, 64)
     words = screen.packed[:, :pairs].to(torch.int64) & 0xFFFFFFFF  # [block, pair, column]
@@ -160,7 +161,7 @@ def test_the_int8_part_holds_each_row_scaled_to_127_and_norms_that_bound_it(scre
     screen = layer._screen_object()
     assert screen is not None
     order = torch.randperm(23, generator=gen)
-    screen.order, screen.int8_dims = order, 15  # four quads, the last padded; 8 dimensions in bfloat16
+    screen.split = Split(order, 15)  # four quads, the last padded; 8 dimensions in bfloat16
     copy = layer.greedy_screen_copy()
     assert copy is not None and copy.packed.shape == (2, 4 + 4 + 3, 64)
     words = copy.packed[:, :4]  # [block, quad, column]
@@ -188,9 +189,10 @@ def test_the_int8_part_holds_each_row_scaled_to_127_and_norms_that_bound_it(scre
 
 @pytest.mark.parametrize("rows", ["concentrated", "spread"])
 def test_the_split_is_chosen_from_the_rows_screened(screen_kernel: ModuleType, rows: str) -> None:
-    """bfloat16 throughout until 256 rows were seen; then the 64 dimensions that hold 80% or more of their energy
-    in bfloat16 and the rest in int8 (a trained model's final rows); rows with their energy spread stay in
-    bfloat16. The answers are the float32 GEMM's either way."""
+    """bfloat16 throughout until 256 rows were seen; then every dimension in int8 where the rows' energy is spread
+    (a random-init model's final rows), or the 64 dimensions that hold the most of it in bfloat16 and the rest in
+    int8 where those dwarf the others (a trained model's). The copy is made again for the split; the answers are
+    the float32 GEMM's either way."""
     gen = torch.Generator().manual_seed(21)
     layer = screened_linear(screen_kernel, 700, 200, gen)
     loud = torch.randperm(200, generator=gen)[:64]
@@ -204,13 +206,44 @@ def test_the_split_is_chosen_from_the_rows_screened(screen_kernel: ModuleType, r
             screen = layer._screen
             assert screen is not None and screen.copy is not None
             if step < 5:  # 250 rows
-                assert screen.int8_dims == 0
-            first = first or screen.copy.packed.data_ptr()
+                assert screen.split.int8_dims == 0
+                first = screen.copy.packed
+    assert screen.copy.split is screen.split
     if rows == "concentrated":
-        assert screen.int8_dims == 136 and set(screen.order[136:].tolist()) == set(loud.tolist())
-        assert screen.copy.packed.shape[1] == 34 + 32 + 3  # made again for the split
+        assert screen.split.int8_dims == 136 and set(screen.split.order[136:].tolist()) == set(loud.tolist())
+        assert screen.copy.packed.shape[1] == 34 + 32 + 3
     else:
-        assert screen.int8_dims == 0 and screen.copy.packed.data_ptr() == first
+        assert screen.split.int8_dims == 200 and torch.equal(screen.split.order, torch.arange(200))
+        assert screen.copy.packed.shape[1] == 50 + 0 + 3
+    assert first is not None and first.shape[1] == 100 + 3  # all in bfloat16 before
+
+
+def test_the_split_is_the_cheapest_whose_int8_part_keeps_x_s_error_small() -> None:
+    """x's int8 error (|x_I - x~_I| / |x|, rows scaled to 127 by their largest value): under 1% for rows of one
+    magnitude, so every dimension goes to int8; a few loud dimensions make it large there but small once they are
+    in bfloat16; more loud dimensions than bfloat16 takes leave it large both ways: all in bfloat16."""
+    gen = torch.Generator().manual_seed(3)
+    spread = torch.randn(256, 2000, generator=gen)
+    all_int8 = torch.arange(2000)
+    assert int8_error(spread.double(), all_int8) < 0.01
+    chosen = choose_split(spread)
+    assert chosen.int8_dims == 2000 and torch.equal(chosen.order, all_int8)
+
+    loud = torch.randperm(2000, generator=gen)[:128]
+    few = spread.clone()
+    few[:, loud[:64]] *= 20
+    assert int8_error(few.double(), all_int8) > 0.01
+    chosen = choose_split(few)
+    assert chosen.int8_dims == 2000 - 64 and set(chosen.order[-64:].tolist()) == set(loud[:64].tolist())
+    assert sorted(chosen.order.tolist()) == list(range(2000))
+
+    many = spread.clone()
+    many[:, loud] *= 20  # 64 of them stay in int8 whichever 64 go to bfloat16
+    chosen = choose_split(many)
+    assert chosen.int8_dims == 0 and torch.equal(chosen.order, all_int8)
+
+    zeros = torch.zeros(256, 2000)
+    assert int8_error(zeros.double(), all_int8) == 0.0 and choose_split(zeros).int8_dims == 2000
 
 
 def test_near_ties_are_decided_by_the_float32_sums(screen_kernel: ModuleType) -> None:

@@ -2,14 +2,19 @@
 bfloat16 (``kernels.pack_greedy_screen``), from which ``kernels.greedy_screen_argmax`` finds each row's first
 maximum exactly, summing in float32 only the rows of the weight the copy cannot rule out.
 
-The copy splits the input dimensions in two: most in int8 (four multiply-adds a lane, a quarter of float32's
-bytes), the rest in bfloat16 (two a lane, half the bytes). How many rows the screen leaves for float32 follows
-the error of the rows' products, and int8 has that error small only where no dimension of x dwarfs the others.
-A trained model's final hidden rows hold most of their energy in a few fixed dimensions (SmolLM2-135M's: 64 of
-576 hold 89% of it); with those in bfloat16 and the rest in int8, 19 rows on average are left for float32 there
-(80 at most, over 940 real rows) against 6.5 (34) for a bfloat16 copy of everything, at 0.56x the multiply-adds.
-Where no few dimensions dominate (random-init checkpoints), the copy stays bfloat16 throughout, the screen as it
-was before the split: int8 would leave most rows for float32.
+The copy splits the input dimensions in two (a ``Split``): those in int8 (four multiply-adds a lane, a quarter of
+float32's bytes), the rest in bfloat16 (two a lane, half the bytes). How many rows the screen leaves for float32
+follows the error of the rows' products, and int8 has that error small only where no dimension of x dwarfs the
+others: each row of x is scaled to int8 by its largest value. So the split is the cheapest of three whose int8
+part keeps x's error within ``INT8_ERROR`` on the rows sampled:
+
+- every dimension in int8, where x's energy is spread (random-init checkpoints: the largest value of a row ~3x
+  its rms, an error of 0.7-0.8%; tiny's head 1.5x faster than all in bfloat16, small's 1.2x);
+- the ``BF16_DIMS`` dimensions that hold the most of x's energy in bfloat16, the rest in int8, where a few fixed
+  dimensions dwarf the others, as in a trained model's final hidden rows (SmolLM2-135M's: 64 of 576 hold 89% of
+  the energy, the largest value of a row ~18x its rms; 4.1% in int8 throughout, 0.28% split so): 19 rows left for
+  float32 on average (80 at most, over 940 real rows) against 6.5 (34) all in bfloat16, at 0.56x the multiply-adds;
+- every dimension in bfloat16 otherwise.
 
 The split is chosen from the first ``SAMPLE_ROWS`` rows screened (bfloat16 throughout until then), once: an
 answer never depends on it, only how many rows float32 sums.
@@ -26,8 +31,52 @@ SAMPLE_ROWS = 256
 """Rows of x seen before the split is chosen."""
 BF16_DIMS = 64
 """The dimensions kept in bfloat16 where x's energy sits in a few: the ``BF16_DIMS`` that hold the most of it."""
-BF16_SHARE = 0.8
-"""The share of x's energy those dimensions must hold for the rest to go to int8."""
+INT8_ERROR = 0.01
+"""The most error x's int8 part may carry: |x_I - x~_I| / |x|, averaged over the rows sampled."""
+MAX_INT8_DIMS = 1 << 16
+"""The most dimensions the kernel takes in int8 (its int32 sums cannot overflow below)."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Split:
+    """Which input dimensions the screen's copy holds in int8: the first ``int8_dims`` of ``order``; the rest are in
+    bfloat16. Compared by identity: a copy made for one split is made again for another."""
+
+    order: torch.Tensor
+    """A permutation of the input dimensions, those in int8 first."""
+    int8_dims: int
+
+    @classmethod
+    def bfloat16(cls, in_features: int) -> Split:
+        return cls(torch.arange(in_features), 0)
+
+
+def int8_error(rows: torch.Tensor, dims: torch.Tensor) -> float:
+    """|x_I - x~_I| / |x| averaged over ``rows`` (finite, float64), x~_I the int8 rounding of x's ``dims`` that the
+    kernel makes (each row scaled so its largest value there is 127, to nearest); rows of zeros left out."""
+    part = rows[:, dims]
+    scale = part.abs().amax(dim=1, keepdim=True) / 127
+    rounded = torch.where(scale > 0, (part / scale).round() * scale, torch.zeros_like(part))
+    norms = rows.norm(dim=1)
+    kept = norms > 0
+    return float(((part - rounded).norm(dim=1)[kept] / norms[kept]).mean()) if bool(kept.any()) else 0.0
+
+
+def choose_split(rows: torch.Tensor) -> Split:
+    """The cheapest split whose int8 part keeps the error of ``rows`` (finite) within ``INT8_ERROR``: every
+    dimension in int8; else the ``BF16_DIMS`` loudest in bfloat16, the rest in int8; else all in bfloat16."""
+    rows = rows.double()
+    k = rows.shape[1]
+    splits = [Split(torch.arange(k), k)]
+    if k > BF16_DIMS:
+        loud = torch.topk(rows.square().sum(dim=0), BF16_DIMS).indices.sort().values
+        quiet = torch.ones(k, dtype=torch.bool)
+        quiet[loud] = False
+        splits.append(Split(torch.cat([quiet.nonzero().flatten(), loud]), k - BF16_DIMS))
+    for split in splits:
+        if split.int8_dims <= MAX_INT8_DIMS and int8_error(rows, split.order[: split.int8_dims]) <= INT8_ERROR:
+            return split
+    return Split.bfloat16(k)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +85,7 @@ class ScreenCopy:
 
     packed: torch.Tensor
     norms: torch.Tensor
-    order: torch.Tensor
-    """The input dimensions, those in int8 first."""
-    int8_dims: int
+    split: Split
     generation: int
     """The weight copy's generation it was made from (``Linear._generation``)."""
 
@@ -51,9 +98,9 @@ class GreedyScreen:
         self.kernels = kernels
         self.in_features = in_features
         self.copy: ScreenCopy | None = None
-        self.order = torch.arange(in_features)
-        self.int8_dims = 0
-        self._energy = torch.zeros(in_features, dtype=torch.float64)
+        self.split = Split.bfloat16(in_features)
+        self._sample: list[torch.Tensor] = []
+        """Rows of x seen so far, until the split is chosen."""
         self._rows_seen = 0
 
     @staticmethod
@@ -69,13 +116,14 @@ class GreedyScreen:
         """The copy for the float32 copy ``weight_copy`` (``Linear.row_block_weight()``) at ``generation``: made
         again, into the old tensors where their shapes fit, after the weight or the split changed."""
         copy = self.copy
-        if copy is None or copy.generation != generation or copy.order is not self.order:
+        split = self.split
+        if copy is None or copy.generation != generation or copy.split is not split:
             address, floats, out_features, stride = weight_copy
             into = (copy.packed, copy.norms) if copy is not None else (None, None)
             packed, norms = self.kernels.pack_greedy_screen(
-                address, floats, out_features, self.in_features, stride, self.order, self.int8_dims, *into
+                address, floats, out_features, self.in_features, stride, split.order, split.int8_dims, *into
             )
-            copy = self.copy = ScreenCopy(packed, norms, self.order, self.int8_dims, generation)
+            copy = self.copy = ScreenCopy(packed, norms, split, generation)
         return copy
 
     def argmax(
@@ -94,22 +142,26 @@ class GreedyScreen:
         copy = self.copy_for(weight_copy, generation)
         address, floats, out_features, stride = weight_copy
         tokens = self.kernels.greedy_screen_argmax(
-            x, copy.packed, copy.norms, copy.order, copy.int8_dims, address, floats, out_features, stride, bias, rows
+            x,
+            copy.packed,
+            copy.norms,
+            copy.split.order,
+            copy.split.int8_dims,
+            address,
+            floats,
+            out_features,
+            stride,
+            bias,
+            rows,
         )
         return tokens if tokens.numel() == x.shape[0] else None
 
     def _observe(self, x: torch.Tensor) -> None:
-        """Adds x's rows to the energy per dimension; at ``SAMPLE_ROWS`` rows, chooses the split."""
+        """Keeps x's rows; at ``SAMPLE_ROWS`` rows, chooses the split from them."""
         if not bool(torch.isfinite(x).all()):
             return
-        self._energy += x.detach().double().square().sum(dim=0)
+        self._sample.append(x.detach().clone())
         self._rows_seen += x.shape[0]
-        if self._rows_seen < SAMPLE_ROWS or self.in_features <= BF16_DIMS:
-            return
-        top = torch.topk(self._energy, BF16_DIMS).indices
-        total = float(self._energy.sum())
-        if total > 0 and float(self._energy[top].sum()) >= BF16_SHARE * total:
-            int8 = torch.ones(self.in_features, dtype=torch.bool)
-            int8[top] = False
-            self.order = torch.cat([int8.nonzero().flatten(), top.sort().values])
-            self.int8_dims = self.in_features - BF16_DIMS
+        if self._rows_seen >= SAMPLE_ROWS:
+            self.split = choose_split(torch.cat(self._sample))
+            self._sample = []
