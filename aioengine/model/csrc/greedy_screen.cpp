@@ -379,13 +379,19 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
                up(g * std::sqrt(sums.total(2)) * slack),
                up(g * std::sqrt(whole) * slack)};
   }
+  // The coefficients again, [norm][row] (rows padded to whole registers with zeros): a block's bound for every row
+  // at once, sixteen rows a vector.
+  const int64_t padded_rows = (M + 15) / 16 * 16;
+  std::vector<float> coef_by_norm(static_cast<size_t>(kNorms * padded_rows), 0.f);
+  for (int64_t r = 0; r < M; ++r)
+    for (int q = 0; q < kNorms; ++q) coef_by_norm[q * padded_rows + r] = coef[r][q];
   const float* wn = norms.data_ptr<float>();
   // Flushed products and sums (at most 2^-126 each, K of them) and the float32 arithmetic of a~ + bias and of
   // a~ +- B (a few ulp of their size): far below these.
   const float absolute = static_cast<float>(K) * 0x1p-120f, relative = 0x1p-20f;
 
   const int64_t threads = at::get_num_threads();
-  const ScratchFloats tiles(threads * M * kBlock);
+  const ScratchFloats tiles(threads * M * kBlock), block_bounds(threads * padded_rows);
   std::vector<float> lows(static_cast<size_t>(threads * M), -std::numeric_limits<float>::infinity());
   std::vector<std::vector<Candidate>> found(static_cast<size_t>(threads * M));
   const uint32_t* wb = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
@@ -401,6 +407,14 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
       r += mr;
     }
     const float* largest_norms = reinterpret_cast<const float*>(wb + blk * lay.block_words() + (steps + 2) * kBlock);
+    float* bounds = block_bounds.data + thread * padded_rows;  // each row's bound with the block's largest norms
+    for (int64_t r = 0; r < padded_rows; r += 16) {
+      __m512 bound = _mm512_setzero_ps();
+      for (int q = 0; q < kNorms; ++q)
+        bound = _mm512_fmadd_ps(_mm512_loadu_ps(&coef_by_norm[q * padded_rows + r]),
+                                _mm512_set1_ps(largest_norms[q]), bound);
+      _mm512_storeu_ps(bounds + r, bound);
+    }
     for (int64_t r = 0; r < M; ++r) {
       float& low_best = lows[thread * M + r];
       std::vector<Candidate>& list = found[thread * M + r];
@@ -418,8 +432,7 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
         nan |= _mm512_mask_cmp_ps_mask(mask, a, a, _CMP_UNORD_Q);
         top = _mm512_mask_max_ps(top, mask, top, a);
       }
-      float block_bound = 0.f;
-      for (int q = 0; q < kNorms; ++q) block_bound += coef[r][q] * largest_norms[q];
+      float block_bound = bounds[r];
       const float block_top = _mm512_reduce_max_ps(top);
       block_bound += relative * (std::abs(block_top) + block_bound) + block_bound * relative + absolute;
       if (nan == 0 && std::isfinite(block_top + block_bound) && block_top + block_bound < low_best) {
