@@ -3,18 +3,15 @@
 Every rank holds a shard of the model (attention by heads, the MLP by intermediate rows, embedding and LM
 head by vocabulary rows); the greedy tokens must still be HF transformers' on the same checkpoint, with
 chunked prefill and preemption, for each member of the Llama family. The llama engine is shared by the
-module (its own event loop) and every test leaves it as it found it; the engines that are killed or hung
-are built by their tests.
+module (its own event loop) and every test leaves it as it found it. A rank's faults (killed, hung) are in
+test_tensor_parallel_faults.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import signal
 import threading
-import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -28,15 +25,14 @@ from safetensors.torch import load_file
 
 from aioengine import AsyncEngine, SamplingParams
 from aioengine.config import EngineConfig
-from aioengine.errors import CheckpointError, EngineDeadError, RequestAbortedError, UnsupportedModelError
-from aioengine.executor.multiproc import MultiprocExecutor
+from aioengine.errors import CheckpointError, UnsupportedModelError
 from aioengine.model.loader import checkpoint_files
 from aioengine.model.packing import dense_parameters
 from aioengine.testing import build_checkpoint
 from aioengine.worker.weights import tensor_source
 from plugins.weight_sync import broadcast_weights, free_port, leave_group, trainer_group, weight_metadata
 from tests.conftest import engine_config
-from tests.helpers import TIMEOUT, final, wait_until
+from tests.helpers import TIMEOUT, final
 from tests.weight_swap_support import hf_greedy
 
 TP = 2
@@ -47,8 +43,6 @@ PROMPTS = [[5, 9, 13, 17], list(range(3, 83)), [100, 200, 300, 400, 500] * 9, li
 MAX_BATCHED_TOKENS = 32
 NUM_BLOCKS = 10
 """Blocks of 16 tokens (9 usable, 144 tokens): each request fits alone, all four together do not (preemption)."""
-BOUND = 10.0
-"""Seconds from a rank's death (or its step's deadline) to the end of every stream."""
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
@@ -74,10 +68,6 @@ async def parity(path: Path) -> tuple[list[list[int]], list[list[int]], list[lis
     async with AsyncEngine(tp_config(path, tp=1, parallel={"distributed_executor_backend": "thread"})) as engine:
         single = await greedy(engine)
     return sharded, single, hf_greedy(path, PROMPTS, NEW_TOKENS), preemptions
-
-
-def ranks_alive(executor: MultiprocExecutor) -> list[bool]:
-    return [p.is_alive() for p in executor.processes]
 
 
 # ---- the shared llama engine --------------------------------------------------------------------------
@@ -327,89 +317,3 @@ def test_a_split_that_does_not_divide_is_refused_naming_the_count(
     check_checkpoint_split(llama_ckpt, TP)  # the checkpoint itself splits
     with pytest.raises(UnsupportedModelError, match=f"{named} cannot be split over tensor_parallel_size=2"):
         check_checkpoint_split(tmp_path, TP)
-
-
-# ---- faults ---------------------------------------------------------------------------------------------
-async def stream_errors(engine: AsyncEngine, after_first: Any) -> tuple[list[BaseException | None], float]:
-    """Starts every prompt, waits until each has a token, runs ``after_first()``; returns each stream's end
-    and the seconds from ``after_first`` to the last end."""
-    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    started = [asyncio.Event() for _ in PROMPTS[:2]]
-
-    async def consume(prompt: list[int], first: asyncio.Event) -> None:
-        async for _ in engine.generate(prompt, long):
-            first.set()
-
-    tasks = [asyncio.ensure_future(consume(p, e)) for p, e in zip(PROMPTS[:2], started, strict=True)]
-    async with asyncio.timeout(TIMEOUT):
-        await asyncio.gather(*(e.wait() for e in started))
-    await after_first()
-    at = time.monotonic()
-    async with asyncio.timeout(TIMEOUT):
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-    return list(results), time.monotonic() - at
-
-
-async def test_the_kv_cache_is_the_smallest_ranks_and_killing_one_rank_ends_every_stream_leaving_no_process(
-    llama_ckpt: Path,
-) -> None:
-    # Rank 1 offers half the KV memory of rank 0: the cache has the blocks the smaller rank can hold.
-    memory = 4 << 20
-    config = tp_config(
-        llama_ckpt,
-        cache={"num_blocks": None, "kv_cache_memory_bytes": memory},
-        parallel={"worker_cls": "tests.worker_extensions.HalfMemoryOnRank1Worker"},
-    )
-    engine = AsyncEngine(config)
-    await engine.start()
-    executor = engine.executor
-    assert isinstance(executor, MultiprocExecutor)
-    try:
-        block_bytes = await engine.collective_rpc("get_cache_block_size_bytes", unique_reply_rank=0)
-        assert engine.stats().kv_blocks_total == memory // 2 // block_bytes - 1  # block 0 is the null block
-        pids = await engine.collective_rpc(lambda worker: os.getpid())
-
-        async def kill_rank_1() -> None:
-            os.kill(pids[1], signal.SIGKILL)
-
-        results, seconds = await stream_errors(engine, kill_rank_1)
-        assert all(isinstance(r, RequestAbortedError) for r in results), results
-        assert f"worker rank 1 (pid {pids[1]}) was killed by signal SIGKILL" in str(results[0])
-        assert seconds < BOUND
-        assert engine.stats().dead
-    finally:
-        await asyncio.wait_for(engine.shutdown(), TIMEOUT)
-    assert ranks_alive(executor) == [False] * TP
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):  # reaped, not a zombie
-            os.kill(pid, 0)
-
-
-async def test_a_rank_that_hangs_is_detected_within_the_step_timeout(llama_ckpt: Path) -> None:
-    timeout = 2.0
-    engine = AsyncEngine(tp_config(llama_ckpt, cache={"num_blocks": 64}, parallel={"step_timeout_s": timeout}))
-    await engine.start()
-    executor = engine.executor
-    assert isinstance(executor, MultiprocExecutor)
-    try:
-
-        def hang_rank_1_from_the_next_step(worker: Any) -> None:
-            if worker.rank == 1:  # the instance attribute shadows the method: the next step never returns
-                worker.execute_model = lambda *args: time.sleep(3600)
-
-        async def hang() -> None:
-            await engine.collective_rpc(hang_rank_1_from_the_next_step)
-
-        results, seconds = await stream_errors(engine, hang)
-        assert all(isinstance(r, RequestAbortedError) for r in results), results
-        # Rank 0 waits in a collective for rank 1, so both are late; either way the hung rank is named.
-        message = str(results[0])
-        assert "did not finish a model step within parallel.step_timeout_s=2s (hung)" in message
-        assert "[1]" in message or "[0, 1]" in message
-        assert seconds < timeout + BOUND
-        await wait_until(lambda: not ranks_alive(executor)[1], "the hung rank killed")
-    finally:
-        await asyncio.wait_for(engine.shutdown(), TIMEOUT)
-    assert ranks_alive(executor) == [False] * TP
-    with pytest.raises(EngineDeadError):
-        await final(engine, [1, 2, 3], GREEDY)
