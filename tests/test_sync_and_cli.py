@@ -29,6 +29,8 @@ def test_sync_engine_returns_final_outputs_in_prompt_order(llama_ckpt: Path) -> 
         outs = engine.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in outs] == expected
         assert all(o.finished and o.finish_reason == "length" for o in outs)
+        # Each request ran final_only: its one output's deltas are the whole of it.
+        assert all(o.delta_token_ids == o.token_ids and o.delta_text == o.text for o in outs)
         assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
 
 

@@ -92,6 +92,8 @@ class EngineCore:
             IncrementalDetokenizer(
                 self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
             )
+            if params.detokenize
+            else None
             for _ in sequences
         ]
         state = RequestState(sequences, detokenizers, self.token_text, kind, num_scored_from)
@@ -311,8 +313,8 @@ class EngineCore:
                 if state is not None:
                     touched[state.request_id] = state
             for state in touched.values():
-                if state.kind == "score" and not state.finished:
-                    continue  # a score is one output, once every continuation is rated
+                if state.final_only and not state.finished:
+                    continue  # one output, once every sequence ended (a score: every continuation rated)
                 state.collector.put(state.output(version))
                 if state.finished:
                     self._drop(state.request_id)

@@ -41,7 +41,8 @@ class SampleState:
     """One sequence's output so far, and what it gained since the request's last output."""
 
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None
+    """None where the request asked for no text (``detokenize=False``)."""
     logprobs: SampleLogprobs | None
     cumulative_logprob: float = 0.0
     delta_text: str = ""
@@ -54,7 +55,7 @@ class RequestState:
     def __init__(
         self,
         sequences: list[Request],
-        detokenizers: list[IncrementalDetokenizer],
+        detokenizers: list[IncrementalDetokenizer | None],
         token_text: TokenText,
         kind: RequestKind = "generate",
         num_scored_from: int = 0,
@@ -68,6 +69,8 @@ class RequestState:
         self.num_scored_from = num_scored_from
         """For "score": where the continuations begin in each sequence's tokens."""
         keep = leader.sampling.logprobs is not None
+        self.final_only = kind == "score" or leader.sampling.output_kind == "final_only"
+        """One output, once every sequence ended (a score's is always so)."""
         self.samples = [
             SampleState(request, detok, [] if keep else None)
             for request, detok in zip(sequences, detokenizers, strict=True)
@@ -87,8 +90,10 @@ class RequestState:
     def add(self, request: Request, token_ids: list[int], finished: bool, rows: LogprobRows | None) -> str | None:
         """Takes one step's tokens of a sequence; returns the stop string they completed, if any."""
         sample = self.samples[request.sample_index]
-        delta, hit = sample.detokenizer.add(token_ids, finished)
-        sample.delta_text += delta
+        hit = None
+        if sample.detokenizer is not None:
+            delta, hit = sample.detokenizer.add(token_ids, finished)
+            sample.delta_text += delta
         sample.delta_token_ids += token_ids
         if rows is not None and sample.logprobs is not None:
             for ids, lps, ranks in zip(rows.token_ids, rows.logprobs, rows.ranks, strict=True):
@@ -107,7 +112,7 @@ class RequestState:
                 CompletionOutput(
                     index=request.sample_index,
                     token_ids=request.output_token_ids,
-                    text=sample.detokenizer.text,
+                    text=sample.detokenizer.text if sample.detokenizer is not None else "",
                     delta_text=sample.delta_text,
                     delta_token_ids=sample.delta_token_ids,
                     finish_reason=request.finish_reason,

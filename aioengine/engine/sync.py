@@ -59,7 +59,8 @@ class Engine:
         """Generates for every prompt concurrently; returns the final outputs in prompt order.
 
         ``prompts`` is one prompt (a string or a list of token ids) or a list of them; ``params``
-        one SamplingParams for all or one per prompt.
+        one SamplingParams for all or one per prompt. Each request runs with ``output_kind="final_only"``
+        (as vLLM's ``LLM.generate``): its stream is never read before its end, so none is built.
         """
         one_prompt = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch: list[Prompt] = [cast(Prompt, prompts)] if one_prompt else list(cast(Sequence[Prompt], prompts))
@@ -77,8 +78,9 @@ class Engine:
         bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
 
         async def one(prompt: Prompt, p: SamplingParams) -> RequestOutput:
+            final_only = p.model_copy(update={"output_kind": "final_only"})  # only the last output is returned
             last = None
-            async for out in self.engine.generate(prompt, p):
+            async for out in self.engine.generate(prompt, final_only):
                 last = out
             bar.update(1)
             assert last is not None

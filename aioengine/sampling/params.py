@@ -14,6 +14,11 @@ LogprobsMode = Literal["raw", "processed"]
 """Which logits the returned logprobs are a log-softmax of: "raw", the model's own (float32); "processed",
 those the token was drawn from (after logit bias, masks, penalties, temperature, min-p, top-k and top-p)."""
 
+OutputKind = Literal["stream", "final_only"]
+"""What a request's stream yields: "stream", an output at every step that adds tokens (the tokens and text so far,
+and those since the last output); "final_only", one output once the request ends (vLLM's
+``RequestOutputKind.FINAL_ONLY``, which its offline ``LLM.generate`` uses), its deltas then the whole output."""
+
 MAX_PENALTY = 2.0
 """presence_penalty and frequency_penalty lie in [-2, 2], as in the OpenAI API."""
 MAX_LOGIT_BIAS = 100.0
@@ -61,6 +66,14 @@ class SamplingParams(BaseModel):
         False, description="Keep the matched stop string at the end of the output text."
     )
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the detokenized text.")
+    detokenize: bool = Field(
+        True,
+        description="Turn the tokens into text. False: token ids only, text and delta_text stay empty (vLLM's "
+        "detokenize=False); stop strings then cannot be found and are refused.",
+    )
+    output_kind: OutputKind = Field(
+        "stream", description="'stream': an output at every step that adds tokens; 'final_only': one at the end."
+    )
     n: int = Field(
         1,
         description="Sequences to generate from the prompt (at most scheduler.max_num_seqs). The prompt is "
@@ -256,6 +269,15 @@ class SamplingParams(BaseModel):
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > max_tokens={self.max_tokens}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_stop_needs_text(self) -> SamplingParams:
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                f"stop strings {self.stop} are found in the detokenized text: they need detokenize=True "
+                "(or end on token ids with stop_token_ids)"
             )
         return self
 
