@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from aioengine import AsyncEngine, EngineConfig, SamplingParams
 from aioengine.messages import PLACEHOLDER_TOKEN_ID, SchedulerOutput
@@ -50,15 +50,33 @@ def engine_config(
     return EngineConfig(**sections, cache={"num_blocks": blocks, "enable_prefix_caching": prefix_caching})
 
 
-def params(req: BenchRequest) -> SamplingParams:
-    """Greedy, EOS ignored: exactly ``max_tokens`` tokens."""
-    return SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True)
+OfflineOutputs = Literal["final_only", "stream"]
+"""How the offline run reads its requests: "final_only", one output at the end and token ids only, as vLLM's
+offline ``LLM.generate`` runs here (FINAL_ONLY outputs, ``detokenize=False``); "stream", an output at every step,
+detokenized, as an application that streams text to its users."""
 
 
-async def stream_tokens(engine: AsyncEngine, req: BenchRequest, on_output: Callable[[int], None] | None = None) -> int:
+def params(req: BenchRequest, outputs: OfflineOutputs = "stream") -> SamplingParams:
+    """Greedy, EOS ignored: exactly ``max_tokens`` tokens, read as ``outputs`` says."""
+    final_only = outputs == "final_only"
+    return SamplingParams(
+        max_tokens=req.max_tokens,
+        temperature=0,
+        ignore_eos=True,
+        detokenize=not final_only,
+        output_kind="final_only" if final_only else "stream",
+    )
+
+
+async def stream_tokens(
+    engine: AsyncEngine,
+    req: BenchRequest,
+    on_output: Callable[[int], None] | None = None,
+    outputs: OfflineOutputs = "stream",
+) -> int:
     """Consumes one request's stream; returns how many tokens it produced."""
     count = 0
-    async for out in engine.generate(req.prompt, params(req)):
+    async for out in engine.generate(req.prompt, params(req, outputs)):
         count = len(out.token_ids)
         if on_output is not None:
             on_output(len(out.delta_token_ids))
@@ -111,8 +129,8 @@ and the worker's steps 10% slower than their replay. A lag probe the vLLM run do
 engine's cost; 20 wakes a second sample the same oversleep."""
 
 
-async def run_offline(engine: AsyncEngine, reqs: list[BenchRequest]) -> EngineRun:
-    """All requests at once; wall time from the first submission to the last token."""
+async def run_offline(engine: AsyncEngine, reqs: list[BenchRequest], outputs: OfflineOutputs) -> EngineRun:
+    """All requests at once, read as ``outputs`` says; wall time from the first submission to the last token."""
     async with LoopLag() as idle:
         await asyncio.sleep(1.0)
     await stream_tokens(engine, BenchRequest(reqs[0].prompt[:16], 2))  # warm-up, untimed
@@ -120,11 +138,12 @@ async def run_offline(engine: AsyncEngine, reqs: list[BenchRequest]) -> EngineRu
     with StepRecorder(engine.executor) as recorder, CpuLoad() as load:
         async with LoopLag(LAG_TICK) as lag:
             start = time.perf_counter()
-            counts = await asyncio.gather(*(stream_tokens(engine, r) for r in reqs))
+            counts = await asyncio.gather(*(stream_tokens(engine, r, outputs=outputs) for r in reqs))
             wall = time.perf_counter() - start
     after = engine.stats()
     short = sum(1 for c, r in zip(counts, reqs, strict=True) if c != r.max_tokens)
-    note = f"{short} requests got a different token count" if short else "all requests submitted at once"
+    read = "one output each, token ids" if outputs == "final_only" else "streamed, detokenized"
+    note = f"{short} requests got a different token count" if short else f"all requests submitted at once; {read}"
     steps = after.num_steps - before.num_steps
     if len(recorder.steps) != steps:  # the engine no longer steps through executor.submit_step
         recorder.steps.clear()

@@ -4,7 +4,8 @@ checkpoint, same run, under a FLOP ceiling.
     python -m benchmarks throughput [--requests 64] [--model tiny|small|real] [--out bench_out/]
         [--vllm-python /tmp/vllm-venv/bin/python] [--vllm-settings documented,out-of-the-box,best]
 
-Systems, in one process run: aioengine (every request submitted at once), vLLM's CPU engine under
+Systems, in one process run: aioengine (every request submitted at once; read as ``--offline-outputs`` says,
+by default one output each at its end and token ids only, as vLLM's ``LLM.generate`` runs here), vLLM's CPU engine under
 named settings (vllm_cpu.py; only with ``--vllm-python`` or ``AIOENGINE_VLLM_PYTHON``), HF
 ``generate`` in static left-padded batches of 8, 32 and 64, and HF's own continuous batching, each
 run ``--repeats`` times (default 3; a shared machine is noisy) and reported by its median run. vLLM's
@@ -63,7 +64,7 @@ async def run_engine(
         startup = time.perf_counter() - start
         runs = []
         for _ in range(args.repeats):
-            runs.append(await run_offline(engine, reqs))
+            runs.append(await run_offline(engine, reqs, args.offline_outputs))
             log(
                 f"aioengine: {runs[-1].result.tokens_per_s:.1f} tok/s, "
                 f"{runs[-1].num_steps} steps in {runs[-1].wall:.2f}s"
@@ -176,6 +177,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="where built checkpoints are kept")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-batched-tokens", type=int, default=512)
+    parser.add_argument(
+        "--offline-outputs",
+        choices=["final_only", "stream"],
+        default="final_only",
+        help="how aioengine's offline run reads its requests: one output at the end, token ids only (as vLLM's "
+        "LLM.generate runs here), or streamed and detokenized",
+    )
     parser.add_argument("--hf-batch-sizes", type=_ints, default=[8, 32, 64], help="comma separated; empty: none")
     parser.add_argument("--no-hf-cb", dest="hf_cb", action="store_false", help="skip HF continuous batching")
     parser.add_argument(
