@@ -34,6 +34,7 @@ constexpr int64_t kBlock = 64;  // columns of W per block of the copy, as in the
 constexpr int kTileRows = 6;
 constexpr int64_t kMaxRows = 1024;  // rows of x one call screens (a greedy step has at most max_num_seqs)
 constexpr int kNorms = 6;  // |w_I|, |w_I - w~_I|, |w_B|, |w_B - w~_B|, |w~_B|, |w| for each row of W
+constexpr int64_t kPrefetchSteps = 12;  // how far ahead in k the float32 pass fetches a candidate's lines
 
 // 16 floats (as their bits) rounded to bfloat16, to nearest, ties to even, each in the upper half of its 32 bits,
 // the lower half zero: results below the normal range flushed to zero (so no denormal reaches VDPBF16PS, which
@@ -513,6 +514,10 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
       const __m512i idx = _mm512_loadu_si512(offsets);
       __m256 acc = _mm256_setzero_ps();
       for (int64_t k = 0; k < K; ++k) {
+        // From the row-block copy each k of a candidate is a line of its own, a stride of 64 floats on: the
+        // lines kPrefetchSteps on are asked for now (the gathers alone left most of them to wait on memory).
+        if (!by_rows && k + kPrefetchSteps < K)
+          for (int l = 0; l < lanes; ++l) __builtin_prefetch(w + (k + kPrefetchSteps) * kBlock + offsets[l], 0, 3);
         const __m256 wv = _mm512_i64gather_ps(idx, w + k * k_step, 4);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(xr[k]), wv, acc);
       }
