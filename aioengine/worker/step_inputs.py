@@ -7,7 +7,8 @@ computed with tensor ops, never per token in Python.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,25 @@ class StepInputs:
     logprob a request asked for (``prompt_reqs``, in order)."""
     sample_reqs: list[ScheduledRequest]
     prompt_reqs: list[ScheduledRequest]
+
+
+def int64_tensor(values: Iterable[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.tensor(values)`` for a step's Python ints, at a fifth to a seventh of its cost: one C loop packs them
+    into an ``array``, which the tensor then shares (``torch.tensor`` converts them one object at a time: ~10 us
+    for 64 of them, ~170 us for a 64 x 20 block table)."""
+    packed = array("q", values)
+    if not packed:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return torch.frombuffer(packed, dtype=torch.int64).to(device)
+
+
+def block_tables(reqs: Sequence[ScheduledRequest], width: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The requests' block ids as a [len(reqs), width] int64 table, each row padded with the null block (0)."""
+    flat = array("q")
+    for r in reqs:
+        flat.extend(r.block_ids)
+        flat.extend(bytes(width - len(r.block_ids)))  # zeros: a bytes object iterates as its 0 values
+    return int64_tensor(flat, device).view(len(reqs), width)
 
 
 def fill_placeholders(sched: SchedulerOutput, last_sampled: dict[str, int]) -> SchedulerOutput:
@@ -62,10 +82,9 @@ def prepare_inputs(
     # Decodes (one query token) first, then prefill chunks: the attention's layout.
     reqs = sorted(sched.requests, key=lambda r: len(r.token_ids) != 1)
     bs = block_size
-    lens = torch.tensor([len(r.token_ids) for r in reqs])
-    starts = torch.tensor([r.start_pos for r in reqs])
-    max_blocks = max(len(r.block_ids) for r in reqs)
-    tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs])
+    lens = int64_tensor([len(r.token_ids) for r in reqs])
+    starts = int64_tensor([r.start_pos for r in reqs])
+    tables = block_tables(reqs, max(len(r.block_ids) for r in reqs))
     cu = torch.cumsum(lens, 0)
     total = int(cu[-1])
     row = torch.repeat_interleave(torch.arange(len(reqs)), lens)
@@ -102,7 +121,7 @@ def prepare_inputs(
         decode_context_lens=decode_lens,
         prefill_kernel=prefill_kernel,
     )
-    input_ids = torch.tensor([t for r in reqs for t in r.token_ids], device=dev)
+    input_ids = int64_tensor([t for r in reqs for t in r.token_ids], dev)
     indices = cu[sample_rows] - 1
     prompt_rows = [i for i, r in enumerate(reqs) if r.prompt_logprobs is not None]
     if prompt_rows:
@@ -128,10 +147,9 @@ def padded_decode_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, int]] | None]:
     """The inputs of a batch of decodes for ``PaddedDecodeRunner.run``: token ids, positions, block tables
     padded to the longest, and the torch attention's row groups (None under ``decode_kernel``)."""
-    width = max(len(r.block_ids) for r in reqs)
-    tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs], device=device)
-    ids = torch.tensor([r.token_ids[0] for r in reqs], device=device)
-    positions = torch.tensor([r.start_pos for r in reqs], device=device)
+    tables = block_tables(reqs, max(len(r.block_ids) for r in reqs), device)
+    ids = int64_tensor([r.token_ids[0] for r in reqs], device)
+    positions = int64_tensor([r.start_pos for r in reqs], device)
     groups = None if decode_kernel is not None else split_decode_rows([len(r.block_ids) for r in reqs])
     return ids, positions, tables, _on_device(groups, device)
 
