@@ -43,10 +43,10 @@ def int64_tensor(values: Iterable[int], device: torch.device | str = "cpu") -> t
 
 def block_tables(reqs: Sequence[ScheduledRequest], width: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The requests' block ids as a [len(reqs), width] int64 table, each row padded with the null block (0)."""
-    flat = array("q")
+    flat: list[int] = []
     for r in reqs:
-        flat.extend(r.block_ids)
-        flat.extend(bytes(width - len(r.block_ids)))  # zeros: a bytes object iterates as its 0 values
+        flat += r.block_ids
+        flat += [0] * (width - len(r.block_ids))
     return int64_tensor(flat, device).view(len(reqs), width)
 
 
