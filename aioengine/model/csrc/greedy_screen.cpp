@@ -328,12 +328,15 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
   const at::Tensor none = at::empty({0}, x.options().dtype(at::kLong));
   if (M == 0 || M > kMaxRows) return none;
 
-  // x's words (int8 quads with each row's scale, then bfloat16 pairs), and the coefficients of each row's bound.
+  // x's words (int8 quads with each row's scale, then bfloat16 pairs), and the coefficients of each row's bound,
+  // [norm][row] (rows padded to whole registers with zeros: a block's bound for every row at once, sixteen rows a
+  // vector).
   const float* xs = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   std::vector<uint32_t> words(static_cast<size_t>(M * steps), 0);
   std::vector<float> x_scale(M);
-  std::vector<std::array<float, kNorms>> coef(M);
+  const int64_t padded_rows = (M + 15) / 16 * 16;
+  std::vector<float> coef(static_cast<size_t>(kNorms * padded_rows), 0.f);
   const double u = 0x1p-23, g = static_cast<double>(K) * u / (1.0 - static_cast<double>(K) * u);
   const double slack = 1.0 + 0x1p-20;
   // A row in `order`, each part zero-padded to whole registers: the int8 part's 4 * quads, then the bfloat16's.
@@ -373,19 +376,14 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
     const double whole = int8_whole + sums.total(0), rounded_i = std::sqrt(int8_rounded) * (1.0 + 4 * u);
     if (!std::isfinite(whole) || !std::isfinite(sums.total(2))) return none;
     // B = c0 |w_I| + c1 |w_I - w~_I| + c2 |w_B| + c3 |w_B - w~_B| + c4 |w~_B| + c5 |w|, each factor rounded up.
-    coef[r] = {up((std::sqrt(int8_error) + 4 * u * std::sqrt(int8_rounded) + g * rounded_i) * slack),
-               up((1.0 + g) * rounded_i * slack),
-               up(std::sqrt(sums.total(1)) * slack),
-               up(std::sqrt(sums.total(2)) * slack),
-               up(g * std::sqrt(sums.total(2)) * slack),
-               up(g * std::sqrt(whole) * slack)};
+    const float row[kNorms] = {up((std::sqrt(int8_error) + 4 * u * std::sqrt(int8_rounded) + g * rounded_i) * slack),
+                               up((1.0 + g) * rounded_i * slack),
+                               up(std::sqrt(sums.total(1)) * slack),
+                               up(std::sqrt(sums.total(2)) * slack),
+                               up(g * std::sqrt(sums.total(2)) * slack),
+                               up(g * std::sqrt(whole) * slack)};
+    for (int q = 0; q < kNorms; ++q) coef[q * padded_rows + r] = row[q];
   }
-  // The coefficients again, [norm][row] (rows padded to whole registers with zeros): a block's bound for every row
-  // at once, sixteen rows a vector.
-  const int64_t padded_rows = (M + 15) / 16 * 16;
-  std::vector<float> coef_by_norm(static_cast<size_t>(kNorms * padded_rows), 0.f);
-  for (int64_t r = 0; r < M; ++r)
-    for (int q = 0; q < kNorms; ++q) coef_by_norm[q * padded_rows + r] = coef[r][q];
   const float* wn = norms.data_ptr<float>();
   // Flushed products and sums (at most 2^-126 each, K of them) and the float32 arithmetic of a~ + bias and of
   // a~ +- B (a few ulp of their size): far below these.
@@ -412,7 +410,7 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
     for (int64_t r = 0; r < padded_rows; r += 16) {
       __m512 bound = _mm512_setzero_ps();
       for (int q = 0; q < kNorms; ++q)
-        bound = _mm512_fmadd_ps(_mm512_loadu_ps(&coef_by_norm[q * padded_rows + r]),
+        bound = _mm512_fmadd_ps(_mm512_loadu_ps(&coef[q * padded_rows + r]),
                                 _mm512_set1_ps(largest_norms[q]), bound);
       _mm512_storeu_ps(bounds + r, bound);
     }
@@ -446,7 +444,8 @@ at::Tensor greedy_screen_argmax(const at::Tensor& x, const at::Tensor& packed, c
         if (b != nullptr) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(mask, b + c0 + 16 * v));
         __m512 bound = _mm512_setzero_ps();
         for (int q = 0; q < kNorms; ++q)
-          bound = _mm512_fmadd_ps(_mm512_set1_ps(coef[r][q]), _mm512_maskz_loadu_ps(mask, wn + q * N + c0 + 16 * v),
+          bound = _mm512_fmadd_ps(_mm512_set1_ps(coef[q * padded_rows + r]),
+                                  _mm512_maskz_loadu_ps(mask, wn + q * N + c0 + 16 * v),
                                   bound);
         bound = _mm512_fmadd_ps(_mm512_set1_ps(relative), _mm512_add_ps(_mm512_abs_ps(a), bound),
                                 _mm512_add_ps(bound, _mm512_set1_ps(absolute)));
