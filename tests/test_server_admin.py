@@ -200,8 +200,11 @@ async def update_while_streaming(
     return response.json(), await streams.results(), before
 
 
-def assert_new_fingerprint(prints: set[str], before: str, version: int) -> None:
-    """Fresh answers all carry one fingerprint: not the one from before the update, and naming its version."""
+async def assert_serves(client: httpx.AsyncClient, refs: Refs, checkpoint: str, before: str, version: int) -> None:
+    """Fresh answers are ``checkpoint``'s, and all carry one fingerprint: not the one from before the update, and
+    naming its version."""
+    after, prints = await outputs(client)
+    assert after == texts(refs, checkpoint)
     assert len(prints) == 1 and before not in prints and next(iter(prints)).endswith(f"-w{version}"), (prints, before)
 
 
@@ -214,9 +217,7 @@ async def test_update_weights_mode_pause_swaps_under_the_running_streams_and_new
     for s in got:  # each stream's first tokens came from the old weights, its last from the new
         assert len(s.fingerprints) == 2 and s.fingerprints[0] == before, s.fingerprints
         assert s.fingerprints[1].endswith(f"-w{version}"), s.fingerprints
-    after, prints = await outputs(client)
-    assert after == texts(refs, "B")
-    assert_new_fingerprint(prints, before, version)
+    await assert_serves(client, refs, "B", before, version)
 
 
 async def test_update_weights_mode_drain_finishes_the_running_streams_on_the_old_weights_first(
@@ -226,9 +227,7 @@ async def test_update_weights_mode_drain_finishes_the_running_streams_on_the_old
     assert_finished(got, STREAM)
     assert [s.text for s in got] == texts(refs, "A", STREAM)
     assert all(s.fingerprints == [before] for s in got)
-    after, prints = await outputs(client)
-    assert after == texts(refs, "B")
-    assert_new_fingerprint(prints, before, report["weights_version"])
+    await assert_serves(client, refs, "B", before, report["weights_version"])
 
 
 async def test_update_weights_mode_abort_ends_the_running_streams(
@@ -238,9 +237,7 @@ async def test_update_weights_mode_abort_ends_the_running_streams(
     assert report["aborted"] == len(PROMPTS)
     assert_aborted(got)
     assert all(s.fingerprints == [before] for s in got)
-    after, prints = await outputs(client)
-    assert after == texts(refs, "B")
-    assert_new_fingerprint(prints, before, report["weights_version"])
+    await assert_serves(client, refs, "B", before, report["weights_version"])
 
 
 async def test_update_weights_mode_recompute_finishes_the_running_streams_on_the_new_weights(
@@ -252,9 +249,7 @@ async def test_update_weights_mode_recompute_finishes_the_running_streams_on_the
     version = report["weights_version"]
     for s in got:  # begun on the old weights, ended on the new (their KV recomputed under them)
         assert s.fingerprints[0] == before and s.fingerprints[-1].endswith(f"-w{version}"), s.fingerprints
-    after, prints = await outputs(client)
-    assert after == texts(refs, "B")
-    assert_new_fingerprint(prints, before, version)
+    await assert_serves(client, refs, "B", before, version)
 
 
 async def test_reload_weights_brings_back_the_checkpoint_the_server_started_from(
@@ -271,9 +266,7 @@ async def test_reload_weights_brings_back_the_checkpoint_the_server_started_from
     got = await streams.results()
     assert_finished(got, STREAM)
     assert [s.text for s in got] == texts(refs, "B", STREAM)  # drained on B
-    after, prints = await outputs(client)
-    assert after == texts(refs, "A")
-    assert_new_fingerprint(prints, before, response.json()["weights_version"])
+    await assert_serves(client, refs, "A", before, response.json()["weights_version"])
 
 
 async def test_reset_prefix_cache_is_refused_while_requests_run_unless_forced(
