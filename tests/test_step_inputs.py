@@ -1,13 +1,16 @@
 """A step's Python ints as tensors (``aioengine.worker.step_inputs``): the same values and dtype as ``torch.tensor``
-makes of them, block tables padded with the null block."""
+makes of them, block tables padded with the null block; placeholders filled with the tokens sampled last."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
-from aioengine.messages import ScheduledRequest
+from aioengine.messages import PLACEHOLDER_TOKEN_ID, PromptLogprobsSpec, ScheduledRequest, SchedulerOutput
 from aioengine.sampling.params import SamplingParams
-from aioengine.worker.step_inputs import block_tables, int64_tensor, padded_decode_inputs
+from aioengine.worker.step_inputs import block_tables, fill_placeholders, int64_tensor, padded_decode_inputs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
@@ -33,3 +36,25 @@ def test_padded_decode_inputs_hold_each_request_s_token_position_and_blocks() ->
     ids, positions, tables, groups = padded_decode_inputs(reqs, torch.device("cpu"), decode_kernel=lambda: None)
     assert torch.equal(ids, torch.arange(100, 109)) and torch.equal(positions, torch.arange(30, 39))
     assert tables.shape == (9, 4) and torch.equal(tables[0], torch.tensor([0, 1, 2, 0])) and groups is None
+
+
+def test_with_token_ids_keeps_every_other_field() -> None:
+    # Every field set off its default, so a field the method forgets shows as a difference.
+    r = ScheduledRequest("r", [1, 2], 9, [4, 5], GREEDY, 3, 1, [7, 8], 2, PromptLogprobsSpec(1, 10, [2]))
+    assert {f.name for f in dataclasses.fields(r)} - {"token_ids"} == {
+        f.name for f in dataclasses.fields(r) if getattr(r, f.name) != f.default and f.name != "token_ids"
+    }
+    assert r.with_token_ids([6]) == dataclasses.replace(r, token_ids=[6])
+
+
+def test_fill_placeholders_puts_the_last_sampled_tokens_in_new_requests() -> None:
+    known = ScheduledRequest("a", [11, 12], 0, [1], GREEDY)
+    waiting = ScheduledRequest("b", [PLACEHOLDER_TOKEN_ID], 5, [2], GREEDY, output_index=3)
+    sched = SchedulerOutput(4, [known, waiting])
+    filled = fill_placeholders(sched, {"b": 42, "a": 99})
+    assert [r.token_ids for r in filled.requests] == [[11, 12], [42]]
+    assert filled.requests[0] is known and filled.requests[1].output_index == 3 and filled.step_id == 4
+    assert waiting.token_ids == [PLACEHOLDER_TOKEN_ID]  # the scheduler's message is left as it was sent
+    assert fill_placeholders(SchedulerOutput(5, [known]), {}).requests == [known]
+    with pytest.raises(RuntimeError, match="placeholder without a previous sample"):
+        fill_placeholders(sched, {"a": 1})

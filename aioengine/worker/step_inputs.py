@@ -64,7 +64,7 @@ def fill_placeholders(sched: SchedulerOutput, last_sampled: dict[str, int]) -> S
                     f"request {r.req_id!r} was scheduled with the token of a step that did not "
                     "sample it (placeholder without a previous sample)"
                 )
-            r = dataclasses.replace(r, token_ids=[*r.token_ids[:-1], token])
+            r = r.with_token_ids([*r.token_ids[:-1], token])
         reqs.append(r)
     return dataclasses.replace(sched, requests=reqs)
 
