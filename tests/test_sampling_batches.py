@@ -64,6 +64,44 @@ def test_metadata_leaves_every_control_off_when_no_row_uses_it():
     assert meta.logit_bias is None and meta.penalties is None and not meta.return_processed
 
 
+def _fields(meta: SamplingMetadata) -> dict[str, object]:
+    return {
+        name: value.tolist() if isinstance(value, torch.Tensor) else value
+        for name in SamplingMetadata.__dataclass_fields__
+        for value in [getattr(meta, name)]
+    }
+
+
+@pytest.mark.parametrize("processed", [False, True])
+def test_plain_greedy_rows_take_the_short_way_to_what_the_general_one_makes(monkeypatch, processed):
+    import aioengine.sampling.sampler as sampler
+
+    params = [SamplingParams(**GREEDY), SamplingParams(**GREEDY, seed=3, top_k=5, min_p=0.2, max_tokens=9)]
+    args = (params, [0, 4], "cpu")
+    kwargs = dict(vocab_size=V, banned=[None, []], processed=processed)
+    short = SamplingMetadata.build(*args, **kwargs)
+    monkeypatch.setattr(sampler, "_plain_greedy", lambda p: False)
+    general = SamplingMetadata.build(*args, **kwargs)
+    assert _fields(short) == _fields(general) and short.argmax_only != processed
+
+
+@pytest.mark.parametrize(
+    "control",
+    [
+        {"allowed_token_ids": [1, 2]},
+        {"logit_bias": {3: 1.0}},
+        {"presence_penalty": 0.5},
+        {"bad_words_token_ids": [[4]]},
+    ],
+)
+def test_a_greedy_row_with_a_control_or_a_ban_keeps_it(control):
+    params = [SamplingParams(**GREEDY), SamplingParams(**GREEDY, **control)]
+    meta = SamplingMetadata.build(params, [0, 0], "cpu", vocab_size=V, histories=[None, ([4], 1)])
+    assert meta.all_greedy and not meta.argmax_only
+    banned = SamplingMetadata.build([SamplingParams(**GREEDY)] * 2, [0, 0], "cpu", vocab_size=V, banned=[None, [1]])
+    assert banned.banned is not None and not banned.argmax_only
+
+
 def test_all_greedy_batch_without_controls_is_one_argmax_of_the_logits_themselves():
     seen: list[torch.Tensor] = []
 
