@@ -19,7 +19,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self is not _WAITING and self is not _RUNNING  # by identity: read for every request every step
+
+
+_WAITING, _RUNNING = RequestStatus.WAITING, RequestStatus.RUNNING
 
 
 @dataclass(slots=True, eq=False)

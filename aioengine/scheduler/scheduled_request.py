@@ -8,26 +8,31 @@ from aioengine.scheduler.request import Request
 
 def describe(request: Request, num_new: int) -> ScheduledRequest:
     """The step's share of ``request``; advances its computed tokens (and placeholders, if it samples)."""
+    # Runs for every request every step: locals and positional arguments, no properties.
     start = request.num_computed_tokens
     end = start + num_new
-    known = request.token_ids[start:end]
-    samples = end == len(request.token_ids) + request.num_placeholders
-    uses_history = samples and request.sampling.uses_history
+    tokens = request.token_ids
+    placeholders = request.num_placeholders
+    num_prompt = len(request.prompt_token_ids)
+    token_ids = tokens[start:end]
+    if len(token_ids) < num_new:  # past the known tokens: the one the step in flight samples
+        token_ids += [PLACEHOLDER_TOKEN_ID] * (num_new - len(token_ids))
+    samples = end == len(tokens) + placeholders
+    params = request.sampling
     scheduled = ScheduledRequest(
-        req_id=request.req_id,
-        # past the known tokens: the one the step in flight samples
-        token_ids=known + [PLACEHOLDER_TOKEN_ID] * (num_new - len(known)),
-        start_pos=start,
-        block_ids=list(request.block_ids),
-        sampling=request.sampling if samples else None,
-        output_index=request.num_output_tokens + request.num_placeholders,
-        sample_index=request.sample_index,
-        history=request.token_ids[:start] if uses_history else None,
-        num_prompt_tokens=request.num_prompt_tokens,
-        prompt_logprobs=prompt_logprobs_spec(request, start, end),
+        request.req_id,
+        token_ids,
+        start,
+        list(request.block_ids),
+        params if samples else None,
+        len(tokens) - num_prompt + placeholders,  # output_index: tokens generated before this step
+        request.sample_index,
+        tokens[:start] if samples and params.uses_history else None,
+        num_prompt,
+        None if request.prompt_logprobs_from is None else prompt_logprobs_spec(request, start, end),
     )
     request.num_computed_tokens = end
-    request.num_placeholders += samples
+    request.num_placeholders = placeholders + samples
     return scheduled
 
 
