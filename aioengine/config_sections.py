@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 __all__ = [
     "CacheConfig",
     "CompileConfig",
+    "CpuPriority",
     "DType",
     "DeviceConfig",
     "LoadConfig",
@@ -35,6 +36,9 @@ TokenizerMode = Literal["auto", "hf"]
 PreemptionMode = Literal["recompute", "swap"]
 """A request preempted when KV blocks run out: its blocks freed and computed again on resume, or copied
 to the host pool and back."""
+CpuPriority = Literal["idle", "normal"]
+"""How work beside serving is scheduled on the host: "idle", only on cores nothing else wants (``SCHED_IDLE``,
+Linux; where the OS has no such policy or refuses it, as "normal"); "normal", as any thread of the process."""
 
 _DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _DOTTED_NAME_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
@@ -288,6 +292,14 @@ class LoadConfig(_Section):
         description="Weight file format. Only safetensors: pickle formats (.bin, .pt) can run code; refused.",
     )
     strict: bool = Field(True, description="Fail on checkpoint tensors the model does not use. False ignores them.")
+    staging_priority: CpuPriority = Field(
+        "idle",
+        description=(
+            "CPU priority of update_weights(stage=True)'s reading while the engine serves. 'idle': only on cores "
+            "the steps leave free (Linux SCHED_IDLE), so serving keeps its pace and staging takes longer on a busy "
+            "host; 'normal': as fast as it can, slowing the steps beside it where cores are few."
+        ),
+    )
 
 
 class CompileConfig(_Section):

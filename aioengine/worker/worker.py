@@ -33,6 +33,7 @@ from aioengine.messages import (
 )
 from aioengine.model.parallel import SINGLE, TensorParallel, parse_init_method
 from aioengine.worker.base import WorkerBase
+from aioengine.worker.cpu_priority import run_at_priority
 from aioengine.worker.model_runner import ModelRunner
 from aioengine.worker.sleep import SleepBackend, create_sleep_backend
 from aioengine.worker.weights import (
@@ -188,13 +189,18 @@ class Worker(WorkerBase):
     ) -> WorkerWeightsReport:
         """Reads and checks ``source`` into host memory for the next ``update_weights(None)``.
 
-        Runs off the step thread (Executor.run_aside) while the engine serves: it only reads the model.
+        Runs off the step thread (Executor.run_aside) while the engine serves: it only reads the model. The reading
+        itself runs at ``load.staging_priority`` (``cpu_priority.run_at_priority``).
         """
         model = self._runner().model
         assert model is not None
         start = time.perf_counter()
-        self._staged = stage_weights(
-            model, source, strict=self.config.load.strict, partial=partial, allow_non_finite=allow_non_finite
+        self._staged = run_at_priority(
+            self.config.load.staging_priority,
+            lambda: stage_weights(
+                model, source, strict=self.config.load.strict, partial=partial, allow_non_finite=allow_non_finite
+            ),
+            "aioengine-staging",
         )
         return WorkerWeightsReport(
             len(self._staged.tensors),
