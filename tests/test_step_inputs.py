@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 import torch
 
+from aioengine.int_tensors import int64_tensor
 from aioengine.messages import PLACEHOLDER_TOKEN_ID, PromptLogprobsSpec, ScheduledRequest, SchedulerOutput
 from aioengine.sampling.params import SamplingParams
-from aioengine.worker.step_inputs import block_tables, fill_placeholders, int64_tensor, padded_decode_inputs
+from aioengine.worker.step_inputs import block_tables, fill_placeholders, padded_decode_inputs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 

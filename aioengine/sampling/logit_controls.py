@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 
+from aioengine.int_tensors import int64_tensor
 from aioengine.sampling.params import SamplingParams
 
 History = tuple[Sequence[int], int]
@@ -172,15 +173,15 @@ def _column(values: list[float], off: float, device: torch.device | str) -> torc
 
 
 def _ids(values: list[int], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return int64_tensor(values, device)
 
 
 def _token_counts(seqs: list[Sequence[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
     """[len(seqs), V] float32: how often each token occurs in each sequence; ids >= V are ignored (as HF does)."""
     width = max(len(s) for s in seqs)
     # Padding and out-of-vocabulary ids land in an extra column that is dropped.
-    padded = [[*s, *[vocab_size] * (width - len(s))] for s in seqs]
-    ids = torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(seqs), width).clamp_(max=vocab_size)
+    padded = [t for s in seqs for t in (*s, *[vocab_size] * (width - len(s)))]
+    ids = int64_tensor(padded, device).reshape(len(seqs), width).clamp_(max=vocab_size)
     counts = torch.zeros(len(seqs), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab_size]
