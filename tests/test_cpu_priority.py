@@ -1,5 +1,5 @@
-"""Work run beside serving at the OS's idle priority (``aioengine.worker.cpu_priority``), and the weight staging that
-runs there (``load.staging_priority``)."""
+"""Work run beside serving on a thread made for it, at the OS's idle priority or not (``worker.cpu_priority``),
+and the weight staging that runs there (``load.staging_priority``)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,18 @@ def where() -> tuple[int, str, int | None]:
     return threading.get_ident(), threading.current_thread().name, policy
 
 
-def test_normal_priority_runs_the_work_on_the_calling_thread() -> None:
-    assert cpu_priority.run_at_priority("normal", where, "aside") == where()
+def test_normal_priority_runs_the_work_on_a_thread_of_its_own_in_the_caller_s_policy() -> None:
+    ident, name, policy = cpu_priority.run_at_priority("normal", where, "aioengine-staging")
+    assert ident != threading.get_ident() and name.startswith("aioengine-staging") and policy == where()[2]
+
+
+def test_the_work_s_thread_ends_with_it() -> None:
+    # A thread that ran a parallel torch op keeps an OpenMP team while it lives (cpu_priority's docstring).
+    for priority in ("idle", "normal"):
+        thread = cpu_priority.run_at_priority(priority, threading.current_thread, "aside")
+        assert thread is not threading.current_thread()
+        thread.join(timeout=10)
+        assert not thread.is_alive()
 
 
 @linux_only
