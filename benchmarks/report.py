@@ -87,6 +87,14 @@ def pairs_lines(pairs: dict[str, list[float]]) -> list[str]:
     ]
 
 
+def speed_lines(speeds: dict[str, list[float]]) -> list[str]:
+    """The host's speed before each system's every repeat (``host_speed.HostSpeed``), in GFLOP/s."""
+    listed = [f"{name} {', '.join(f'{g:.0f}' for g in rates)}" for name, rates in speeds.items() if rates]
+    if not listed:
+        return []
+    return [f"Host speed before each repeat (GFLOP/s of one GEMM in a helper process): {'; '.join(listed)}"]
+
+
 def time_table(run: EngineRun, floors: Floors | None) -> list[str]:
     """Where the offline wall time went; the replay floor's share is the engine efficiency."""
     wall = run.wall
@@ -170,6 +178,7 @@ def markdown(
     online: list[OnlineResult],
     ceiling: Ceiling | None = None,
     pairs: dict[str, list[float]] | None = None,
+    speeds: dict[str, list[float]] | None = None,
 ) -> str:
     """The whole report: ``title``, then the three tables (the ceiling's line below the first)."""
     lines = [title, "", *systems_table(run, systems, ceiling)]
@@ -177,6 +186,8 @@ def markdown(
         lines += ["", ceiling.describe()]
     if pair_lines := pairs_lines(pairs or {}):
         lines += ["", *pair_lines]
+    if host_lines := speed_lines(speeds or {}):
+        lines += ["", *host_lines]
     lines += ["", *time_table(run, floors)]
     if online:
         lines += ["", *online_table(online)]
@@ -198,6 +209,7 @@ def write_json(
     online: list[OnlineResult],
     ceiling: Ceiling | None = None,
     pairs: dict[str, list[float]] | None = None,
+    speeds: dict[str, list[float]] | None = None,
 ) -> None:
     """Everything measured plus ``meta`` (model, versions, limits) as one JSON object."""
     ours = run.result.tokens_per_s
@@ -226,6 +238,7 @@ def write_json(
             for s in systems
         ],
         "aioengine_vllm_ratio_each_repeat": pairs or {},
+        "host_speed_gflops_before_each_repeat": speeds or {},
         "ceiling": None
         if ceiling is None
         else {

@@ -12,7 +12,9 @@ run ``--repeats`` times (default 3; a shared machine is noisy) and reported by i
 runs alternate with aioengine's (an aioengine run, then one of every vLLM setting, and again); HF's
 come after. Then two floors for aioengine's steps (replayed on the worker; GEMMs alone) and aioengine
 online under Poisson arrivals at three shares of its offline request rate. The FLOP ceiling
-(ceiling.py: the workload's FLOPs at the fp32 GEMM peak measured first) gives every system's share.
+(ceiling.py: the workload's FLOPs at the fp32 GEMM peak measured first) gives every system's share. Before each
+system's every repeat a GEMM in a helper process says how fast the host is right then (host_speed.py: a shared
+host's speed comes in spells).
 Workload and models: workload.py. Writes a markdown table to stdout, and JSON + PNG under --out.
 """
 
@@ -37,6 +39,7 @@ from benchmarks import hf_baselines, report, vllm_cpu
 from benchmarks.ceiling import Ceiling, ceiling, measure_gemm_peak_apart
 from benchmarks.engine_run import EngineRun, engine_config, run_offline
 from benchmarks.floors import measure_floors
+from benchmarks.host_speed import HostSpeed
 from benchmarks.online import serve_poisson
 from benchmarks.results import Floors, OnlineResult, SystemResult, median, spread_note
 from benchmarks.workload import DEFAULT_CACHE, MODELS, BenchRequest, checkpoint, output_tokens, vocab_size, workload
@@ -52,26 +55,33 @@ async def run_engine(
     reqs: list[BenchRequest],
     args: argparse.Namespace,
     vllm_runs: list[vllm_cpu.VllmRun],
-) -> tuple[EngineRun, list[float], Floors | None, list[OnlineResult]]:
+) -> tuple[EngineRun, list[float], Floors | None, list[OnlineResult], dict[str, list[float]]]:
     """One engine for the offline run, its floors, then the online rates (which need the offline rate).
 
     After each offline repeat, every started vLLM setting runs once (aioengine idle meanwhile), so a
     slow spell of the machine falls on both sides. Also returns each repeat's tokens/s, for the
-    per-repeat ratios."""
+    per-repeat ratios, and the host's speed just before each system's every repeat (``HostSpeed``)."""
     config = engine_config(path, reqs, args.max_num_seqs, args.max_batched_tokens)
+    speeds: dict[str, list[float]] = {"aioengine": [], **{vllm.name: [] for vllm in vllm_runs}}
     start = time.perf_counter()
     async with AsyncEngine(config) as engine:
         startup = time.perf_counter() - start
         runs = []
-        for _ in range(args.repeats):
-            runs.append(await run_offline(engine, reqs, args.offline_outputs))
-            log(
-                f"aioengine: {runs[-1].result.tokens_per_s:.1f} tok/s, "
-                f"{runs[-1].num_steps} steps in {runs[-1].wall:.2f}s"
-            )
-            for vllm in vllm_runs:
-                if (line := await asyncio.to_thread(vllm.run)) is not None:
-                    log(f"{vllm.name}: {line['tokens_per_s']:.1f} tok/s in {line['seconds']:.2f}s")
+        with HostSpeed() as host:
+            for _ in range(args.repeats):
+                speeds["aioengine"].append(await asyncio.to_thread(host.probe))
+                runs.append(await run_offline(engine, reqs, args.offline_outputs))
+                log(
+                    f"aioengine: {runs[-1].result.tokens_per_s:.1f} tok/s, "
+                    f"{runs[-1].num_steps} steps in {runs[-1].wall:.2f}s (host {speeds['aioengine'][-1]:.0f} GFLOP/s)"
+                )
+                for vllm in vllm_runs:
+                    speeds[vllm.name].append(await asyncio.to_thread(host.probe))
+                    if (line := await asyncio.to_thread(vllm.run)) is not None:
+                        log(
+                            f"{vllm.name}: {line['tokens_per_s']:.1f} tok/s in {line['seconds']:.2f}s "
+                            f"(host {speeds[vllm.name][-1]:.0f} GFLOP/s)"
+                        )
         run = median(runs, lambda r: r.wall)
         spread = with_spread(run.result, [r.result for r in runs])
         run = dataclasses.replace(run, result=dataclasses.replace(spread, startup_seconds=startup))
@@ -84,7 +94,7 @@ async def run_engine(
             result = await serve_poisson(engine, reqs[: args.online_requests], offline_rps * fraction, fraction)
             log(f"online at {fraction:.0%}: TTFT p50 {result.ttft_p50 or 0:.3f}s, ITL p50 {result.itl_p50 or 0:.4f}s")
             online.append(result)
-    return run, [r.result.tokens_per_s or 0.0 for r in runs], floors, online
+    return run, [r.result.tokens_per_s or 0.0 for r in runs], floors, online, speeds
 
 
 def start_vllm(path: Path, reqs: list[BenchRequest], args: argparse.Namespace) -> list[vllm_cpu.VllmRun]:
@@ -220,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     flop_ceiling = measure_ceiling(path, reqs)
     vllm_runs = start_vllm(path, reqs, args)
     try:
-        run, aioengine_rates, floors, online = asyncio.run(run_engine(path, reqs, args, vllm_runs))
+        run, aioengine_rates, floors, online, speeds = asyncio.run(run_engine(path, reqs, args, vllm_runs))
     finally:
         for vllm in vllm_runs:
             vllm.close()
@@ -233,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
         f"transformers {transformers.__version__}" + (f", vLLM CPU {vllm_version}" if vllm_version else "")
     )
-    print(report.markdown(title, run, systems, floors, online, flop_ceiling, pairs))
+    print(report.markdown(title, run, systems, floors, online, flop_ceiling, pairs, speeds))
     meta: dict[str, Any] = {
         "model": args.model,
         "model_spec": MODELS[args.model],
@@ -251,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"throughput_{args.model}"
-    report.write_json(stem.with_suffix(".json"), meta, run, systems, floors, online, flop_ceiling, pairs)
+    report.write_json(stem.with_suffix(".json"), meta, run, systems, floors, online, flop_ceiling, pairs, speeds)
     plotted = report.write_plot(stem.with_suffix(".png"), title, run, systems, online)
     written = f"{stem}.json" + (f" and {stem}.png" if plotted else "")
     print(f"\nwrote {written} ({time.perf_counter() - started:.0f}s in all)")
