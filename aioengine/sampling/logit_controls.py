@@ -74,8 +74,8 @@ def build_disallowed(params: Sequence[SamplingParams], vocab_size: int, device: 
         allowed = params[i].allowed_token_ids
         assert allowed is not None
         _check_ids("allowed_token_ids", i, allowed, vocab_size)
-        mask[j, _ids(allowed, device)] = False
-    return RowMask(_ids(rows, device), mask)
+        mask[j, int64_tensor(allowed, device)] = False
+    return RowMask(int64_tensor(rows, device), mask)
 
 
 def _bad_word_bans(params: SamplingParams, history: History) -> list[int]:
@@ -111,7 +111,7 @@ def build_banned(
     if not rows:
         return None
     values = torch.full((len(rows),), float("-inf"), dtype=torch.float32, device=device)
-    return TokenEntries(_ids(rows, device), _ids(cols, device), values)
+    return TokenEntries(int64_tensor(rows, device), int64_tensor(cols, device), values)
 
 
 def build_logit_bias(
@@ -128,7 +128,7 @@ def build_logit_bias(
             values += p.logit_bias.values()
     if not rows:
         return None
-    return TokenEntries(_ids(rows, device), _ids(cols, device), torch.tensor(values, device=device))
+    return TokenEntries(int64_tensor(rows, device), int64_tensor(cols, device), torch.tensor(values, device=device))
 
 
 def build_penalties(
@@ -156,7 +156,7 @@ def build_penalties(
     if repetition is not None:
         seen = (output_counts > 0) | (_token_counts(prompts, vocab_size, device) > 0)
     return Penalties(
-        rows=_ids(rows, device),
+        rows=int64_tensor(rows, device),
         output_counts=output_counts,
         repetition=repetition,
         seen=seen,
@@ -170,10 +170,6 @@ def _column(values: list[float], off: float, device: torch.device | str) -> torc
     if all(v == off for v in values):
         return None
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-
-def _ids(values: list[int], device: torch.device | str) -> torch.Tensor:
-    return int64_tensor(values, device)
 
 
 def _token_counts(seqs: list[Sequence[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import TypeVar
 
 import torch
 
+from aioengine.int_tensors import int64_tensor
 from aioengine.sampling.logit_controls import (
     History,
     Penalties,
@@ -134,7 +135,7 @@ class SamplingMetadata:
                 dtype=torch.float32,
                 device=device,
             ),
-            top_k=torch.tensor(top_ks, dtype=torch.int64, device=device) if any(top_ks) else None,
+            top_k=int64_tensor(top_ks, device) if any(top_ks) else None,
             top_p=(torch.tensor(top_ps, dtype=torch.float32, device=device) if any(p < 1.0 for p in top_ps) else None),
             all_greedy=all(greedy),
             all_random=not any(greedy),

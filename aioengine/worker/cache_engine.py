@@ -11,6 +11,8 @@ import mmap
 
 import torch
 
+from aioengine.int_tensors import int64_tensor
+
 
 class CacheEngine:
     """Owns the KV cache of one worker: ``device_cache`` on the worker's device (host memory when that
@@ -73,8 +75,8 @@ class CacheEngine:
         if not src_to_dsts:
             return
         pairs = [(s, d) for s, dsts in src_to_dsts.items() for d in dsts]
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        src = int64_tensor([p[0] for p in pairs], self.device)
+        dst = int64_tensor([p[1] for p in pairs], self.device)
         for layer in self.device_cache:
             layer[:, dst] = layer[:, src]
 
@@ -101,7 +103,7 @@ def _swap_blocks(src_cache: list[torch.Tensor], dst_cache: list[torch.Tensor], s
         return
     if not src_cache or not dst_cache:
         raise RuntimeError("swap requested but the host cache has no blocks (KVCacheConfig.num_host_blocks is 0)")
-    src = torch.tensor(list(src_to_dst.keys()), device=src_cache[0].device)
-    dst = torch.tensor(list(src_to_dst.values()), device=dst_cache[0].device)
+    src = int64_tensor(src_to_dst.keys(), src_cache[0].device)
+    dst = int64_tensor(src_to_dst.values(), dst_cache[0].device)
     for s, d in zip(src_cache, dst_cache, strict=True):
         d[:, dst] = s[:, src].to(d.device, non_blocking=True)

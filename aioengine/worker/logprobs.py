@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from aioengine.int_tensors import int64_tensor
 from aioengine.messages import LogprobRows, PromptLogprobsSpec, ScheduledRequest
 from aioengine.sampling.sampler import gather_logprobs
 
@@ -17,7 +18,7 @@ def known_token_logprobs(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> 
     """Logprobs of the known tokens of each request's ``PromptLogprobsSpec``: ``logits`` holds, request after
     request, the rows of the positions before them. Always log-softmax of the model's logits."""
     specs: list[PromptLogprobsSpec] = [r.prompt_logprobs for r in reqs]  # type: ignore[misc]
-    chosen = torch.tensor([t for spec in specs for t in spec.token_ids], device=logits.device)
+    chosen = int64_tensor([t for spec in specs for t in spec.token_ids], logits.device)
     k = max(spec.k for spec in specs)
     ids, values, ranks = gather_logprobs(logits.float().log_softmax(dim=-1), chosen, k)
     out = {}
@@ -48,7 +49,7 @@ def sampled_logprobs(
             continue
         assert source is not None, "processed logprobs asked for but the sampler kept no processed logits"
         rows = list(ks)
-        index = torch.tensor(rows, device=source.device)
+        index = int64_tensor(rows, source.device)
         ids, values, ranks = gather_logprobs(source[index].float().log_softmax(dim=-1), tokens[index], max(ks.values()))
         for j, i in enumerate(rows):
             req = reqs[i]
