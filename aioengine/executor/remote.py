@@ -45,6 +45,7 @@ import cloudpickle  # type: ignore[import-untyped]
 
 from aioengine.errors import EngineDeadError
 from aioengine.executor.base import Executor, bridge, execute_and_sample
+from aioengine.executor.rank_replies import once_every_rank_answered, retrieve
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.model.tp_layout import check_checkpoint_split
 from aioengine.worker.process import dumps
@@ -191,7 +192,7 @@ class RemoteExecutor(Executor, Generic[R]):
         for future in futures:
             # One rank's error reaches the caller (the first, or the one that explains a step): the others
             # are no unretrieved errors.
-            future.add_done_callback(_retrieve)
+            future.add_done_callback(retrieve)
         return name, futures
 
     async def collective_rpc(
@@ -230,8 +231,8 @@ class RemoteExecutor(Executor, Generic[R]):
         encoded = self._step_wire.encode(scheduler_output)
         _, futures = self._call("step", execute_and_sample, (encoded.message,), {}, watched=True)
         self._step_wire.commit(encoded)  # only now: a step that was refused leaves every decoder where it was
-        step = futures[0] if len(futures) == 1 else _once_every_rank_answered(futures)
-        step.add_done_callback(_retrieve)  # a step queued behind one that failed is never awaited
+        step = futures[0] if len(futures) == 1 else once_every_rank_answered(futures)
+        step.add_done_callback(retrieve)  # a step queued behind one that failed is never awaited
         return step
 
     async def run_aside(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
@@ -375,33 +376,3 @@ def _dumps_callable(method: Callable[..., Any], name: str) -> bytes:
     except Exception as exc:
         raise TypeError(f"collective_rpc {name!r}: the callable cannot be sent to a worker process ({exc})") from exc
     return data
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """Marks a rank's error as seen: the one that explains the call is raised to the caller, the others need no log."""
-    if not future.cancelled():
-        future.exception()
-
-
-def _once_every_rank_answered(futures: list[asyncio.Future[Any]]) -> asyncio.Future[Any]:
-    """Rank 0's output once every rank answered. A failed step fails with the error that explains it: a dead
-    or hung rank's ``EngineDeadError`` (at once) before its peers' broken collectives, else the first error."""
-    step: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    errors: list[BaseException] = []
-
-    def settle(done: asyncio.Future[Any]) -> None:
-        if not done.cancelled() and (error := done.exception()) is not None:
-            errors.append(error)
-        if step.done():
-            return
-        if dead := [e for e in errors if isinstance(e, EngineDeadError)]:
-            step.set_exception(dead[0])
-        elif all(f.done() for f in futures):
-            if errors:
-                step.set_exception(errors[0])
-            else:
-                step.set_result(futures[0].result())
-
-    for future in futures:
-        future.add_done_callback(settle)
-    return step
