@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from aioengine import AsyncEngine, RequestOutput, SamplingParams
-from aioengine.errors import AIOEngineError, ConfigurationError, EngineDeadError, EngineNotStartedError
+from aioengine.errors import (
+    AIOEngineError,
+    ConfigurationError,
+    EngineDeadError,
+    EngineNotStartedError,
+    EngineStateError,
+)
 from aioengine.messages import TagBytes, WorkerSleepReport, WorkerWakeReport, WorkerWeightsReport
 from aioengine.worker.cpu_worker import CPUWorker
 from aioengine.worker.graphs import PaddedDecodeRunner, default_capture_sizes
@@ -43,6 +49,27 @@ async def test_collective_rpc_timeout_names_the_method_and_engine_keeps_serving(
     async with make_engine(llama_ckpt, parallel={"worker_extension_cls": EXT}) as engine:
         with pytest.raises(TimeoutError, match="sleep_for"):
             await engine.collective_rpc("sleep_for", args=(1.0,), timeout=0.1)
+        assert len(await _collect(engine, [5, 6, 7])) == GREEDY.max_tokens
+
+
+async def test_a_timed_out_rpc_is_reported_overdue_until_it_returns(make_engine, llama_ckpt: Path) -> None:
+    # The thread executor: the timed-out call keeps the worker's thread, check_health names it meanwhile, and
+    # the record ends when the call returns.
+    release = threading.Event()
+
+    def hold_the_worker(worker: Any) -> str:
+        release.wait(TIMEOUT)
+        return "done"
+
+    async with make_engine(llama_ckpt) as engine:
+        with pytest.raises(TimeoutError, match="hold_the_worker"):
+            await engine.collective_rpc(hold_the_worker, timeout=0.05)
+        assert [call for call in engine.executor.overdue_calls() if "hold_the_worker" in call]
+        with pytest.raises(EngineStateError, match="hold_the_worker"):
+            await engine.check_health()
+        release.set()
+        await wait_until(lambda: not engine.executor.overdue_calls(), "done with the timed-out call")
+        await engine.check_health()
         assert len(await _collect(engine, [5, 6, 7])) == GREEDY.max_tokens
 
 

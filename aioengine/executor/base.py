@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -51,6 +52,29 @@ def bridge(future: concurrent.futures.Future[T]) -> asyncio.Future[T]:
 
     future.add_done_callback(on_done)
     return result
+
+
+class OverdueCalls:
+    """Calls whose caller timed out while they still run on a worker (steps wait behind them), each kept with its
+    name and since when until it returns: what ``Executor.overdue_calls`` reports."""
+
+    def __init__(self) -> None:
+        self._calls: dict[asyncio.Future[Any], tuple[str, float]] = {}
+
+    def add(self, futures: set[asyncio.Future[Any]], name: str) -> None:
+        since = time.monotonic()
+        for future in futures:
+            self._calls[future] = (name, since)
+            future.add_done_callback(self._returned)
+
+    def _returned(self, future: asyncio.Future[Any]) -> None:
+        self._calls.pop(future, None)
+        if not future.cancelled():
+            future.exception()  # nobody awaits it any more: retrieved, so asyncio does not log it
+
+    def describe(self) -> list[str]:
+        now = time.monotonic()
+        return [f"{name!r} (timed out, running {now - since:.1f}s)" for name, since in self._calls.values()]
 
 
 class Executor(ABC):

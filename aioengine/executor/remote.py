@@ -44,7 +44,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import cloudpickle  # type: ignore[import-untyped]
 
 from aioengine.errors import EngineDeadError
-from aioengine.executor.base import Executor, bridge, execute_and_sample
+from aioengine.executor.base import Executor, OverdueCalls, bridge, execute_and_sample
 from aioengine.executor.rank_replies import once_every_rank_answered, retrieve
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.model.tp_layout import check_checkpoint_split
@@ -103,8 +103,7 @@ class RemoteExecutor(Executor, Generic[R]):
         self._started = False
         """Every rank's worker was built: a rank that ends before that most likely could not start at all."""
         self._call_ids = itertools.count()
-        self._overdue: dict[asyncio.Future[Any], tuple[str, float]] = {}
-        """Calls whose caller timed out while they still run, with their name and when."""
+        self._overdue = OverdueCalls()
         self._ranks: list[R] = []
         self._steps: dict[int, float] = {}
         """Steps sent and not answered by every rank yet: call id -> when sent (the watchdog's view)."""
@@ -211,10 +210,7 @@ class RemoteExecutor(Executor, Generic[R]):
             if future in done and (error := future.exception()) is not None:
                 raise error
         if running:
-            since = time.monotonic()
-            for future in running:
-                self._overdue[future] = (name, since)
-                future.add_done_callback(self._overdue.pop)
+            self._overdue.add(running, name)
             raise TimeoutError(
                 f"collective_rpc {name!r} timed out after {timeout}s; it still runs in {self.calls_run_in} and model "
                 "steps wait behind it until it returns"
@@ -223,8 +219,7 @@ class RemoteExecutor(Executor, Generic[R]):
         return results[unique_reply_rank] if unique_reply_rank is not None else results
 
     def overdue_calls(self) -> list[str]:
-        now = time.monotonic()
-        return [f"{name!r} (timed out, running {now - since:.1f}s)" for name, since in self._overdue.values()]
+        return self._overdue.describe()
 
     def submit_step(self, scheduler_output: SchedulerOutput) -> asyncio.Future[ModelRunnerOutput]:
         # Sent right here, behind every call submitted before it.

@@ -16,12 +16,11 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 from aioengine.errors import ConfigurationError, EngineDeadError
-from aioengine.executor.base import Executor, bridge, execute_and_sample
+from aioengine.executor.base import Executor, OverdueCalls, bridge, execute_and_sample
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.worker.wrapper import WorkerWrapper
 
@@ -54,8 +53,7 @@ class ThreadExecutor(Executor):
         self._closed = False
         self._step_calls: dict[asyncio.Future[ModelRunnerOutput], concurrent.futures.Future[Any]] = {}
         """Steps submitted whose outputs have not come back to the loop yet, with their calls on the thread."""
-        self._overdue: dict[asyncio.Future[Any], tuple[str, float]] = {}
-        """Calls whose caller timed out while they still run, with their name and when."""
+        self._overdue = OverdueCalls()
         # Build the workers on their own threads: device set-up is per thread on some back ends.
         for rank, wrapper in enumerate(self.wrappers):
             self._threads[rank].submit(wrapper.init_worker, config, rank).result()
@@ -94,10 +92,7 @@ class ThreadExecutor(Executor):
         if running:
             # The call keeps its worker thread until it returns (a thread cannot be interrupted), and the
             # steps queued behind it wait: say so until it is over.
-            since = time.monotonic()
-            for future in running:
-                self._overdue[future] = (name, since)
-                future.add_done_callback(self._overdue_done)
+            self._overdue.add(running, name)
             raise TimeoutError(
                 f"collective_rpc {name!r} timed out after {timeout}s; it still runs on the worker thread and "
                 "model steps wait behind it until it returns"
@@ -105,14 +100,8 @@ class ThreadExecutor(Executor):
         results = [future.result() for future in futures]
         return results[unique_reply_rank] if unique_reply_rank is not None else results
 
-    def _overdue_done(self, future: asyncio.Future[Any]) -> None:
-        self._overdue.pop(future, None)
-        if not future.cancelled():
-            future.exception()  # nobody awaits it any more: retrieved, so asyncio does not log it
-
     def overdue_calls(self) -> list[str]:
-        now = time.monotonic()
-        return [f"{name!r} (timed out, running {now - since:.1f}s)" for name, since in self._overdue.values()]
+        return self._overdue.describe()
 
     def submit_step(self, scheduler_output: SchedulerOutput) -> asyncio.Future[ModelRunnerOutput]:
         # One rank: its output is the step's. Queued on the worker's thread right here, so the step is
