@@ -54,6 +54,13 @@ def bridge(future: concurrent.futures.Future[T]) -> asyncio.Future[T]:
     return result
 
 
+def retrieve(future: asyncio.Future[Any]) -> None:
+    """Marks a worker call's error as seen, for a future nobody awaits (or whose error another one explains), so
+    asyncio does not log it."""
+    if not future.cancelled():
+        future.exception()
+
+
 class OverdueCalls:
     """Calls whose caller timed out while they still run on a worker (steps wait behind them), each kept with its
     name and since when until it returns: what ``Executor.overdue_calls`` reports."""
@@ -69,8 +76,7 @@ class OverdueCalls:
 
     def _returned(self, future: asyncio.Future[Any]) -> None:
         self._calls.pop(future, None)
-        if not future.cancelled():
-            future.exception()  # nobody awaits it any more: retrieved, so asyncio does not log it
+        retrieve(future)  # nobody awaits it any more
 
     def describe(self) -> list[str]:
         now = time.monotonic()

@@ -1,5 +1,5 @@
 """How the replies of a call sent to every rank become the caller's one answer (``RemoteExecutor``): the error
-that explains a failed step, and no rank's error left unretrieved."""
+that explains a failed step."""
 
 from __future__ import annotations
 
@@ -7,12 +7,6 @@ import asyncio
 from typing import Any
 
 from aioengine.errors import EngineDeadError
-
-
-def retrieve(future: asyncio.Future[Any]) -> None:
-    """Marks a rank's error as seen: the one that explains the call is raised to the caller, the others need no log."""
-    if not future.cancelled():
-        future.exception()
 
 
 def once_every_rank_answered(futures: list[asyncio.Future[Any]]) -> asyncio.Future[Any]:

@@ -44,8 +44,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 import cloudpickle  # type: ignore[import-untyped]
 
 from aioengine.errors import EngineDeadError
-from aioengine.executor.base import Executor, OverdueCalls, bridge, execute_and_sample
-from aioengine.executor.rank_replies import once_every_rank_answered, retrieve
+from aioengine.executor.base import Executor, OverdueCalls, bridge, execute_and_sample, retrieve
+from aioengine.executor.rank_replies import once_every_rank_answered
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.model.tp_layout import check_checkpoint_split
 from aioengine.worker.process import dumps
