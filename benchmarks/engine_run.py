@@ -32,6 +32,8 @@ class EngineRun:
     idle_loop_lag_p99: float | None
     """The same ticker with the engine started but idle: the machine's own timer noise."""
     steps: list[SchedulerOutput]
+    replay: tuple[float, ...] = ()
+    """Each step's seconds replayed on the worker right after the run (``floors.replay_run``); empty if not."""
 
 
 def engine_config(

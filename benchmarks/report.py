@@ -95,6 +95,14 @@ def speed_lines(speeds: dict[str, list[float]]) -> list[str]:
     return [f"Host speed before each repeat (GFLOP/s of one GEMM in a helper process): {'; '.join(listed)}"]
 
 
+def efficiency_lines(efficiencies: list[float]) -> list[str]:
+    """Each repeat's engine efficiency: its steps replayed right after it, over its wall time."""
+    if not efficiencies:
+        return []
+    listed = ", ".join(f"{e:.2f}" for e in efficiencies)
+    return [f"Engine efficiency each repeat (its steps replayed on the worker right after it, over its wall): {listed}"]
+
+
 def time_table(run: EngineRun, floors: Floors | None) -> list[str]:
     """Where the offline wall time went; the replay floor's share is the engine efficiency."""
     wall = run.wall
@@ -107,7 +115,8 @@ def time_table(run: EngineRun, floors: Floors | None) -> list[str]:
         rows.append(["replay and GEMM floors", "-", "not measured: no steps recorded"])
     else:
         decode_steps = floors.num_steps - floors.num_prefill_steps
-        efficiency = row(f"**replay floor** (the same {floors.num_steps} steps on the worker)", floors.replay_seconds)
+        replayed = f"**replay floor** (the same {floors.num_steps} steps on the worker, right after)"
+        efficiency = row(replayed, floors.replay_seconds)
         efficiency[2] = f"**{efficiency[2]}** = engine efficiency"
         rows += [
             efficiency,
@@ -179,6 +188,7 @@ def markdown(
     ceiling: Ceiling | None = None,
     pairs: dict[str, list[float]] | None = None,
     speeds: dict[str, list[float]] | None = None,
+    efficiencies: list[float] | None = None,
 ) -> str:
     """The whole report: ``title``, then the three tables (the ceiling's line below the first)."""
     lines = [title, "", *systems_table(run, systems, ceiling)]
@@ -189,6 +199,8 @@ def markdown(
     if host_lines := speed_lines(speeds or {}):
         lines += ["", *host_lines]
     lines += ["", *time_table(run, floors)]
+    if efficiency := efficiency_lines(efficiencies or []):
+        lines += ["", *efficiency]
     if online:
         lines += ["", *online_table(online)]
     if busy := noisy(run, systems, floors, online, ceiling=ceiling):
@@ -210,6 +222,7 @@ def write_json(
     ceiling: Ceiling | None = None,
     pairs: dict[str, list[float]] | None = None,
     speeds: dict[str, list[float]] | None = None,
+    efficiencies: list[float] | None = None,
 ) -> None:
     """Everything measured plus ``meta`` (model, versions, limits) as one JSON object."""
     ours = run.result.tokens_per_s
@@ -250,6 +263,7 @@ def write_json(
         "hf_best_static": dataclasses.asdict(best) if best else None,
         "floors": dataclasses.asdict(floors) if floors else None,
         "engine_efficiency": floors.replay_seconds / run.wall if floors else None,
+        "engine_efficiency_each_repeat": efficiencies or [],
         "online": [dataclasses.asdict(o) for o in online],
     }
     path.write_text(json.dumps(data, indent=2) + "\n")

@@ -38,7 +38,7 @@ from aioengine import AsyncEngine
 from benchmarks import hf_baselines, report, vllm_cpu
 from benchmarks.ceiling import Ceiling, ceiling, measure_gemm_peak_apart
 from benchmarks.engine_run import EngineRun, engine_config, run_offline
-from benchmarks.floors import measure_floors
+from benchmarks.floors import measure_floors, replay_run
 from benchmarks.host_speed import HostSpeed
 from benchmarks.online import serve_poisson
 from benchmarks.results import Floors, OnlineResult, SystemResult, median, spread_note
@@ -55,12 +55,13 @@ async def run_engine(
     reqs: list[BenchRequest],
     args: argparse.Namespace,
     vllm_runs: list[vllm_cpu.VllmRun],
-) -> tuple[EngineRun, list[float], Floors | None, list[OnlineResult], dict[str, list[float]]]:
-    """One engine for the offline run, its floors, then the online rates (which need the offline rate).
+) -> tuple[EngineRun, list[EngineRun], Floors | None, list[OnlineResult], dict[str, list[float]]]:
+    """One engine for the offline run (the median repeat, then every repeat), its floors, then the online rates
+    (which need the offline rate).
 
-    After each offline repeat, every started vLLM setting runs once (aioengine idle meanwhile), so a
-    slow spell of the machine falls on both sides. Also returns each repeat's tokens/s, for the
-    per-repeat ratios, and the host's speed just before each system's every repeat (``HostSpeed``)."""
+    Each offline repeat's steps are replayed right after it. Then every started vLLM setting runs once (aioengine
+    idle meanwhile), so a slow spell of the machine falls on both sides. Also returns the host's speed just before
+    each system's every repeat (``HostSpeed``)."""
     config = engine_config(path, reqs, args.max_num_seqs, args.max_batched_tokens)
     speeds: dict[str, list[float]] = {"aioengine": [], **{vllm.name: [] for vllm in vllm_runs}}
     start = time.perf_counter()
@@ -70,10 +71,13 @@ async def run_engine(
         with HostSpeed() as host:
             for _ in range(args.repeats):
                 speeds["aioengine"].append(await asyncio.to_thread(host.probe))
-                runs.append(await run_offline(engine, reqs, args.offline_outputs))
+                run = await run_offline(engine, reqs, args.offline_outputs)
+                # Its steps again at once, in the spell the run had (floors.py): the engine's own share of it.
+                run = dataclasses.replace(run, replay=tuple(await replay_run(engine, run.steps)))
+                runs.append(run)
                 log(
-                    f"aioengine: {runs[-1].result.tokens_per_s:.1f} tok/s, "
-                    f"{runs[-1].num_steps} steps in {runs[-1].wall:.2f}s (host {speeds['aioengine'][-1]:.0f} GFLOP/s)"
+                    f"aioengine: {run.result.tokens_per_s:.1f} tok/s, {run.num_steps} steps in {run.wall:.2f}s, "
+                    f"replayed in {sum(run.replay):.2f}s (host {speeds['aioengine'][-1]:.0f} GFLOP/s)"
                 )
                 for vllm in vllm_runs:
                     speeds[vllm.name].append(await asyncio.to_thread(host.probe))
@@ -85,7 +89,7 @@ async def run_engine(
         run = median(runs, lambda r: r.wall)
         spread = with_spread(run.result, [r.result for r in runs])
         run = dataclasses.replace(run, result=dataclasses.replace(spread, startup_seconds=startup))
-        floors = await measure_floors(engine, run.steps)
+        floors = await measure_floors(engine, run.steps, list(run.replay) or None)
         if floors is not None:
             log(f"floors: replay {floors.replay_seconds:.2f}s, GEMMs {floors.gemm_seconds:.2f}s")
         online = []
@@ -94,7 +98,7 @@ async def run_engine(
             result = await serve_poisson(engine, reqs[: args.online_requests], offline_rps * fraction, fraction)
             log(f"online at {fraction:.0%}: TTFT p50 {result.ttft_p50 or 0:.3f}s, ITL p50 {result.itl_p50 or 0:.4f}s")
             online.append(result)
-    return run, [r.result.tokens_per_s or 0.0 for r in runs], floors, online, speeds
+    return run, runs, floors, online, speeds
 
 
 def start_vllm(path: Path, reqs: list[BenchRequest], args: argparse.Namespace) -> list[vllm_cpu.VllmRun]:
@@ -230,12 +234,13 @@ def main(argv: list[str] | None = None) -> None:
     flop_ceiling = measure_ceiling(path, reqs)
     vllm_runs = start_vllm(path, reqs, args)
     try:
-        run, aioengine_rates, floors, online, speeds = asyncio.run(run_engine(path, reqs, args, vllm_runs))
+        run, runs, floors, online, speeds = asyncio.run(run_engine(path, reqs, args, vllm_runs))
     finally:
         for vllm in vllm_runs:
             vllm.close()
     systems = [v.result() for v in vllm_runs] + run_hf(path, reqs, args)
-    pairs = {v.name: vllm_cpu.pair_ratios(aioengine_rates, v.runs) for v in vllm_runs}
+    pairs = {v.name: vllm_cpu.pair_ratios([r.result.tokens_per_s or 0.0 for r in runs], v.runs) for v in vllm_runs}
+    efficiencies = [sum(r.replay) / r.wall for r in runs if r.replay]
 
     vllm_version = next((v.ready["vllm"] for v in vllm_runs if v.ready), None)
     title = (
@@ -243,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
         f"transformers {transformers.__version__}" + (f", vLLM CPU {vllm_version}" if vllm_version else "")
     )
-    print(report.markdown(title, run, systems, floors, online, flop_ceiling, pairs, speeds))
+    print(report.markdown(title, run, systems, floors, online, flop_ceiling, pairs, speeds, efficiencies))
     meta: dict[str, Any] = {
         "model": args.model,
         "model_spec": MODELS[args.model],
@@ -261,7 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"throughput_{args.model}"
-    report.write_json(stem.with_suffix(".json"), meta, run, systems, floors, online, flop_ceiling, pairs, speeds)
+    report.write_json(
+        stem.with_suffix(".json"), meta, run, systems, floors, online, flop_ceiling, pairs, speeds, efficiencies
+    )
     plotted = report.write_plot(stem.with_suffix(".png"), title, run, systems, online)
     written = f"{stem}.json" + (f" and {stem}.png" if plotted else "")
     print(f"\nwrote {written} ({time.perf_counter() - started:.0f}s in all)")
