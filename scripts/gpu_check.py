@@ -23,10 +23,11 @@ from typing import Any
 import torch
 
 from aioengine import AsyncEngine, EngineConfig, SamplingParams
-from aioengine.messages import KVCacheConfig
+from aioengine.messages import KVCacheConfig, ScheduledRequest
 from aioengine.testing import build_checkpoint
 from aioengine.worker.gpu_worker import CUDAWorker
 from aioengine.worker.graphs import PaddedDecodeRunner
+from aioengine.worker.step_inputs import DecodeBatch, padded_decode_inputs
 from benchmarks.preemption import preemption_costs
 from benchmarks.tp import RankCounters, rank_counters, reset_collectives
 
@@ -59,12 +60,10 @@ def _timed(fn: Callable[[], object], n: int = 50) -> float:
     return (time.perf_counter() - start) / n * 1e3
 
 
-def _eager_decode(
-    decode: PaddedDecodeRunner, ids: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, b: int
-) -> None:
+def _eager_decode(decode: PaddedDecodeRunner, batch: DecodeBatch) -> None:
     with torch.inference_mode():
-        decode._fill(ids, pos, tables, b)
-        decode._forward(b, decode.max_blocks)
+        decode._fill(batch, batch.size)
+        decode._forward(batch.size, decode.max_blocks)
 
 
 def step_times(path: Path) -> tuple[float, dict[int, tuple[float, float]]]:
@@ -80,11 +79,13 @@ def step_times(path: Path) -> tuple[float, dict[int, tuple[float, float]]]:
     for b in BATCHES:
         ctx = 300  # tokens already in the cache per sequence
         blocks = -(-(ctx + 1) // 16)
-        tables = torch.arange(1, 1 + b * blocks, device="cuda").view(b, blocks)
-        ids = torch.randint(3, 500, (b,), device="cuda")
-        pos = torch.full((b,), ctx, device="cuda")
-        graph_ms = _timed(functools.partial(decode.run, ids, pos, tables))
-        out[b] = (_timed(functools.partial(_eager_decode, decode, ids, pos, tables, b)), graph_ms)
+        reqs = [
+            ScheduledRequest(f"r{i}", [3 + i % 497], ctx, list(range(1 + i * blocks, 1 + (i + 1) * blocks)), None)
+            for i in range(b)
+        ]
+        batch = padded_decode_inputs(reqs, torch.device("cuda"), decode_kernel=None, block_size=16)
+        graph_ms = _timed(functools.partial(decode.run, batch))
+        out[b] = (_timed(functools.partial(_eager_decode, decode, batch)), graph_ms)
     worker.shutdown()
     return capture, out
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from aioengine import AsyncEngine, SamplingParams
+from aioengine.messages import ScheduledRequest
 from aioengine.worker.cpu_worker import CPUWorker
 from aioengine.worker.graphs import PaddedDecodeRunner, default_capture_sizes
+from aioengine.worker.step_inputs import DecodeBatch, padded_decode_inputs
 from tests.conftest import engine_config
 from tests.helpers import final
 
@@ -51,14 +53,21 @@ def test_bucket_is_the_smallest_size_that_holds_the_batch(llama_ckpt: Path) -> N
     assert [runner.bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
 
 
+def _batch(tokens: list[int], positions: list[int], tables: list[list[int]]) -> DecodeBatch:
+    reqs = [
+        ScheduledRequest(f"r{i}", [t], p, blocks, GREEDY)
+        for i, (t, p, blocks) in enumerate(zip(tokens, positions, tables, strict=True))
+    ]
+    return padded_decode_inputs(reqs, torch.device("cpu"), decode_kernel=None, block_size=16)
+
+
 def test_padded_rows_write_only_the_null_block(llama_ckpt: Path) -> None:
     runner, caches = _decode_runner(llama_ckpt, [8])
     before = [c.clone() for c in caches]
-    tables = torch.tensor([[3, 4], [7, 0], [9, 0]])
-    positions = torch.tensor([17, 2, 0])
-    logits = runner.run(torch.tensor([11, 12, 13]), positions, tables)
+    tables, positions = [[3, 4], [7], [9]], [17, 2, 0]
+    logits = runner.run(_batch([11, 12, 13], positions, tables))
     assert logits.shape[0] == 3
-    written = {int(tables[i, p // 16]) * 16 + int(p) % 16 for i, p in enumerate(positions)}
+    written = {tables[i][p // 16] * 16 + p % 16 for i, p in enumerate(positions)}
     for old, new in zip(before, caches, strict=True):
         changed = (old != new).flatten(3).any(-1).any(0).flatten()  # per slot: [blocks * block_size]
         slots = set(torch.nonzero(changed).flatten().tolist())
@@ -76,10 +85,10 @@ def test_eager_decode_without_padding_runs_the_batch_at_its_own_size_with_the_sa
         return final_hidden(input_ids, *args)  # type: ignore[arg-type]
 
     runner.model.final_hidden = counting  # type: ignore[method-assign]
-    batch = torch.tensor([11, 12, 13]), torch.tensor([17, 2, 0]), torch.tensor([[3, 4], [7, 0], [9, 0]])
-    padded = runner.run(*batch)
+    batch = _batch([11, 12, 13], [17, 2, 0], [[3, 4], [7], [9]])
+    padded = runner.run(batch)
     runner.pad = False
-    own = runner.run(*batch)
+    own = runner.run(batch)
     assert rows == [8, 3]
     torch.testing.assert_close(own, padded, rtol=1e-5, atol=1e-5)
 

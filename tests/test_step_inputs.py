@@ -32,11 +32,16 @@ def test_block_tables_pad_each_row_with_the_null_block() -> None:
     assert table.shape == (5, 7) and table.dtype == torch.int64 and torch.equal(table, want)
 
 
-def test_padded_decode_inputs_hold_each_request_s_token_position_and_blocks() -> None:
-    reqs = [ScheduledRequest(f"r{i}", [100 + i], 30 + i, list(range(3 + i % 2)), GREEDY) for i in range(9)]
-    ids, positions, tables, groups = padded_decode_inputs(reqs, torch.device("cpu"), decode_kernel=lambda: None)
-    assert torch.equal(ids, torch.arange(100, 109)) and torch.equal(positions, torch.arange(30, 39))
-    assert tables.shape == (9, 4) and torch.equal(tables[0], torch.tensor([0, 1, 2, 0])) and groups is None
+def test_padded_decode_inputs_hold_each_request_s_token_position_slot_and_blocks() -> None:
+    reqs = [ScheduledRequest(f"r{i}", [100 + i], 30 + i, [5, 6 + i, 20 + i, 40][: 3 + i % 2], GREEDY) for i in range(9)]
+    batch = padded_decode_inputs(reqs, torch.device("cpu"), decode_kernel=lambda: None, block_size=16)
+    ids, positions, slots = batch.rows
+    assert batch.size == 9 and torch.equal(ids, torch.arange(100, 109)) and torch.equal(positions, torch.arange(30, 39))
+    # Position 30 + i lies in the request's second block (16..31) up to i = 1, its third (32..47) after.
+    want = [(6 + i) * 16 + 30 + i - 16 if 30 + i < 32 else (20 + i) * 16 + 30 + i - 32 for i in range(9)]
+    assert slots.tolist() == want
+    assert batch.block_tables.shape == (9, 4) and batch.groups is None
+    assert batch.block_tables[0].tolist() == [5, 6, 20, 0] and batch.block_tables[1].tolist() == [5, 7, 21, 40]
 
 
 def test_with_token_ids_keeps_every_other_field() -> None:

@@ -223,9 +223,10 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
+        logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Runs every token of the step; returns logits only for ``logits_indices`` ([S, V], float32)."""
+        """Runs every token of the step; returns logits only for ``logits_indices`` ([S, V], float32; None: every
+        token's)."""
         return self.compute_logits(self.final_hidden(input_ids, positions, kv_caches, meta, logits_indices))
 
     def final_hidden(
@@ -234,9 +235,10 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
+        logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``forward`` up to the lm_head: the final norm's output for the rows of ``logits_indices`` ([S, H]).
+        """``forward`` up to the lm_head: the final norm's output for the rows of ``logits_indices`` ([S, H]; None:
+        every token's, as a decode batch has them, without gathering the rows of the identity).
 
         Where fewer rows sample than the step has tokens (a prompt samples at its last token, a chunk that does
         not end its prompt not at all), the last layer computes past its attention only the rows that sample:
@@ -245,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         if len(kv_caches) != len(layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} layers")
-        keep = logits_indices if logits_indices.shape[0] < input_ids.shape[0] else None
+        keep = logits_indices if logits_indices is not None and logits_indices.shape[0] < input_ids.shape[0] else None
         x, residual = self.model.embed_tokens(input_ids), None
         step = one_call.layer_step(positions, meta, self.model.rotary_emb, head_dim_of(self.config))
         on_kernels = step is not None and x.dtype == torch.float32 and x.device.type == "cpu"
@@ -259,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
                 last_keep = run_keep if i == run.end - 1 else None
                 x, residual = layers[i](x, residual, positions, kv_caches[i], meta, last_keep)
         assert residual is not None
-        if keep is None:  # the last add and the norm are per token: only the rows that sample
+        if keep is None and logits_indices is not None:  # the last add and the norm are per token: the sampled rows
             x, residual = x[logits_indices], residual[logits_indices]
         return self.model.norm.add_and_norm(x, residual)
 

@@ -20,6 +20,7 @@ import torch
 from aioengine.messages import NULL_BLOCK_ID
 from aioengine.model.attention import AttentionMetadata
 from aioengine.model.llama import LlamaForCausalLM
+from aioengine.worker.step_inputs import DecodeBatch
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +57,12 @@ class PaddedDecodeRunner:
         off eager, where a batch runs at its own size."""
         self.decode_kernel = decode_kernel  # CPU only (see AttentionMetadata.decode_kernel); never captured
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        # Token ids, positions and KV slots: one buffer, so that a batch's rows (DecodeBatch.rows) copy in at once.
+        self._rows = torch.zeros(3, n, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._rows.unbind(0)
         self.block_tables = torch.full((n, max_blocks_per_seq), NULL_BLOCK_ID, dtype=torch.long, device=device)
         self.mask = torch.zeros(n, 1, 1, max_blocks_per_seq * block_size, dtype=torch.bool, device=device)
         self.context_lens = torch.ones(n, dtype=torch.long, device=device)
-        self.logits_indices = torch.arange(n, device=device)
         self._key_pos = torch.arange(max_blocks_per_seq * block_size, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_outputs: dict[int, torch.Tensor] = {}
@@ -99,22 +99,19 @@ class PaddedDecodeRunner:
             self.positions[:size],
             self.kv_caches,
             self._meta(size, width, groups),
-            self.logits_indices[:size],
+            None,  # every row: the padded rows' too, dropped after
         )
 
-    def _fill(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, size: int) -> None:
+    def _fill(self, batch: DecodeBatch, size: int) -> None:
         """Copies a batch into the static buffers; rows past the batch become null-block padding."""
-        b, width = block_tables.shape
-        self.input_ids[:b].copy_(input_ids)
-        self.input_ids[b:size].zero_()
-        self.positions[:b].copy_(positions)
-        self.positions[b:size].zero_()
-        self.block_tables[:size].fill_(NULL_BLOCK_ID)
-        self.block_tables[:b, :width].copy_(block_tables)
-        rows = torch.arange(b, device=self.device)
-        bs = self.block_size
-        self.slot_mapping[:b].copy_(self.block_tables[rows, self.positions[:b] // bs] * bs + self.positions[:b] % bs)
-        self.slot_mapping[b:size].fill_(NULL_BLOCK_ID * bs)
+        b, width = batch.block_tables.shape
+        self._rows[:, :b].copy_(batch.rows)
+        if size > b:  # token 0 at position 0, written to the null block's first slot
+            self._rows[:, b:size].zero_()
+            self.slot_mapping[b:size].fill_(NULL_BLOCK_ID * self.block_size)
+        if size > b or self.use_graphs:  # a graph reads every row, every table entry
+            self.block_tables[:size].fill_(NULL_BLOCK_ID)
+        self.block_tables[:b, :width].copy_(batch.block_tables)
         # Padded rows attend to position 0 of the null block only: finite, and ignored.
         if self.decode_kernel is not None:
             torch.add(self.positions[:size], 1, out=self.context_lens[:size])
@@ -122,46 +119,30 @@ class PaddedDecodeRunner:
             torch.lt(self._key_pos.unsqueeze(0), self.positions[:size].unsqueeze(1) + 1, out=self.mask[:size, 0, 0])
 
     @torch.inference_mode()
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        block_tables: torch.Tensor,
-        groups: list[tuple[torch.Tensor, int]] | None = None,
-    ) -> torch.Tensor:
-        """Logits [B, V] of a decode batch of B <= max_batch_size tokens.
-
-        ``groups`` (eager only; ignored on graph replay) splits the real rows by context length.
-        """
-        size = self._filled(input_ids, positions, block_tables)
-        b = input_ids.shape[0]
+    def run(self, batch: DecodeBatch) -> torch.Tensor:
+        """Logits [B, V] of a decode batch of B <= max_batch_size tokens. ``batch.groups`` (eager only; ignored on
+        graph replay) splits the real rows by context length."""
+        size = self._filled(batch)
         if size in self.graphs:
             self.graphs[size].replay()
-            return self.graph_outputs[size][:b]
+            return self.graph_outputs[size][: batch.size]
         # Eager (CPU): only as wide as this batch's longest block table.
-        return self._forward(size, block_tables.shape[1], groups)[:b]
+        return self._forward(size, batch.block_tables.shape[1], batch.groups)[: batch.size]
 
     @torch.inference_mode()
-    def run_hidden(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        block_tables: torch.Tensor,
-        groups: list[tuple[torch.Tensor, int]] | None = None,
-    ) -> torch.Tensor:
+    def run_hidden(self, batch: DecodeBatch) -> torch.Tensor:
         """``run`` without the lm_head, eager only: the final norm's rows [B, H] (``model.final_hidden``)."""
         if self.use_graphs:
             raise RuntimeError("run_hidden is eager only: with CUDA graphs the captured forward ends in the logits")
-        size = self._filled(input_ids, positions, block_tables)
-        return self._hidden(size, block_tables.shape[1], groups)[: input_ids.shape[0]]
+        size = self._filled(batch)
+        return self._hidden(size, batch.block_tables.shape[1], batch.groups)[: batch.size]
 
-    def _filled(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor) -> int:
+    def _filled(self, batch: DecodeBatch) -> int:
         """The batch copied into the static buffers; returns the size it runs at."""
-        b = input_ids.shape[0]
-        size = self.bucket(b)
-        assert size is not None, f"decode batch {b} exceeds the largest bucket {self.max_batch_size}"
-        size = size if self.pad else b
-        self._fill(input_ids, positions, block_tables, size)
+        size = self.bucket(batch.size)
+        assert size is not None, f"decode batch {batch.size} exceeds the largest bucket {self.max_batch_size}"
+        size = size if self.pad else batch.size
+        self._fill(batch, size)
         return size
 
     @torch.inference_mode()
@@ -172,7 +153,7 @@ class PaddedDecodeRunner:
         start = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            self._fill(self.input_ids[:0], self.positions[:0], self.block_tables[:0, :1], size)
+            self._fill(DecodeBatch(self._rows[:, :0], self.block_tables[:0, :1]), size)
             for _ in range(2):  # warm-up outside the graph: lazy inits and allocator state
                 self._forward(size, self.max_blocks)
             torch.cuda.synchronize(self.device)

@@ -370,7 +370,7 @@ class ModelRunner:
         eager), else logits."""
         assert self.decode_runner is not None
         run = self.decode_runner.run_hidden if lazy else self.decode_runner.run
-        out = run(*padded_decode_inputs(reqs, self.device, self.decode_kernel))
+        out = run(padded_decode_inputs(reqs, self.device, self.decode_kernel, self.block_size))
         rows = [i for i, r in enumerate(reqs) if r.sample]
         if len(rows) < len(reqs):  # a one-token prefill chunk that does not end its prompt
             out = out[rows]

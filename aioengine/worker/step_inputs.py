@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from aioengine.int_tensors import int64_tensor
-from aioengine.messages import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
+from aioengine.messages import NULL_BLOCK_ID, PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from aioengine.model.attention import AttentionMetadata, PrefillChunk, split_decode_rows
 
 
@@ -33,11 +33,16 @@ class StepInputs:
 
 def block_tables(reqs: Sequence[ScheduledRequest], width: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The requests' block ids as a [len(reqs), width] int64 table, each row padded with the null block (0)."""
+    return int64_tensor(_table_ints(reqs, width), device).view(len(reqs), width)
+
+
+def _table_ints(reqs: Sequence[ScheduledRequest], width: int) -> list[int]:
+    """``block_tables``' entries, row after row."""
     flat: list[int] = []
     for r in reqs:
         flat += r.block_ids
-        flat += [0] * (width - len(r.block_ids))
-    return int64_tensor(flat, device).view(len(reqs), width)
+        flat += [NULL_BLOCK_ID] * (width - len(r.block_ids))
+    return flat
 
 
 def fill_placeholders(sched: SchedulerOutput, last_sampled: dict[str, int]) -> SchedulerOutput:
@@ -132,16 +137,39 @@ def prepare_inputs(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """A batch of decodes as ``PaddedDecodeRunner`` takes it (``padded_decode_inputs``)."""
+
+    rows: torch.Tensor
+    """[3, B] int64: each row's token id, position and KV slot, one tensor that the runner copies at once."""
+    block_tables: torch.Tensor
+    """[B, W] int64, each row padded with the null block to the longest."""
+    groups: list[tuple[torch.Tensor, int]] | None = None
+    """The torch attention's row groups by context length (``split_decode_rows``); None under a decode kernel."""
+
+    @property
+    def size(self) -> int:
+        return self.rows.shape[1]
+
+
 def padded_decode_inputs(
-    reqs: list[ScheduledRequest], device: torch.device, decode_kernel: Callable[..., None] | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, int]] | None]:
-    """The inputs of a batch of decodes for ``PaddedDecodeRunner.run``: token ids, positions, block tables
-    padded to the longest, and the torch attention's row groups (None under ``decode_kernel``)."""
-    tables = block_tables(reqs, max(len(r.block_ids) for r in reqs), device)
-    ids = int64_tensor([r.token_ids[0] for r in reqs], device)
-    positions = int64_tensor([r.start_pos for r in reqs], device)
+    reqs: list[ScheduledRequest],
+    device: torch.device,
+    decode_kernel: Callable[..., None] | None,
+    block_size: int,
+) -> DecodeBatch:
+    """A batch of decodes, one token each, for ``PaddedDecodeRunner.run``: made from one list of Python ints (a
+    step's tensors from its 64 rows otherwise cost a dozen torch ops)."""
+    width = max(len(r.block_ids) for r in reqs)
+    flat = [r.token_ids[0] for r in reqs]
+    flat += [r.start_pos for r in reqs]
+    flat += [r.block_ids[r.start_pos // block_size] * block_size + r.start_pos % block_size for r in reqs]
+    flat += _table_ints(reqs, width)
+    both = int64_tensor(flat, device)
+    b = len(reqs)
     groups = None if decode_kernel is not None else split_decode_rows([len(r.block_ids) for r in reqs])
-    return ids, positions, tables, _on_device(groups, device)
+    return DecodeBatch(both[: 3 * b].view(3, b), both[3 * b :].view(b, width), _on_device(groups, device))
 
 
 def _on_device(
