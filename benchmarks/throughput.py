@@ -10,7 +10,8 @@ named settings (vllm_cpu.py; only with ``--vllm-python`` or ``AIOENGINE_VLLM_PYT
 ``generate`` in static left-padded batches of 8, 32 and 64, and HF's own continuous batching, each
 run ``--repeats`` times (default 3; a shared machine is noisy) and reported by its median run. vLLM's
 runs alternate with aioengine's (an aioengine run, then one of every vLLM setting, and again); HF's
-come after. Then two floors for aioengine's steps (replayed on the worker; GEMMs alone) and aioengine
+come after. Each aioengine repeat's steps are replayed on the worker right after it (its engine efficiency); then
+the GEMM-only floor of the median repeat's steps (floors.py) and aioengine
 online under Poisson arrivals at three shares of its offline request rate. The FLOP ceiling
 (ceiling.py: the workload's FLOPs at the fp32 GEMM peak measured first) gives every system's share. Before each
 system's every repeat a GEMM in a helper process says how fast the host is right then (host_speed.py: a shared
