@@ -95,12 +95,29 @@ def speed_lines(speeds: dict[str, list[float]]) -> list[str]:
     return [f"Host speed before each repeat (GFLOP/s of one GEMM in a helper process): {'; '.join(listed)}"]
 
 
-def efficiency_lines(efficiencies: list[float]) -> list[str]:
-    """Each repeat's engine efficiency: its steps replayed right after it, over its wall time."""
-    if not efficiencies:
+def efficiencies(repeats: list[EngineRun]) -> list[float]:
+    """Each replayed repeat's engine efficiency: its steps replayed right after it, over its wall time."""
+    return [sum(r.replay) / r.wall for r in repeats if r.replay]
+
+
+def replay_shares(repeats: list[EngineRun], ceiling: Ceiling | None) -> list[float]:
+    """Each replayed repeat's share of the ceiling at its replay's speed: the worker alone, without the engine
+    around it (its share over its efficiency)."""
+    if ceiling is None:
         return []
-    listed = ", ".join(f"{e:.2f}" for e in efficiencies)
-    return [f"Engine efficiency each repeat (its steps replayed on the worker right after it, over its wall): {listed}"]
+    return [(r.result.tokens_per_s or 0.0) * r.wall / sum(r.replay) / ceiling.tokens_per_s for r in repeats if r.replay]
+
+
+def replay_lines(repeats: list[EngineRun], ceiling: Ceiling | None) -> list[str]:
+    """The two per-repeat figures of the repeats' own replays."""
+    lines = []
+    if listed := ", ".join(f"{e:.2f}" for e in efficiencies(repeats)):
+        lines.append(
+            f"Engine efficiency each repeat (its steps replayed on the worker right after it, over its wall): {listed}"
+        )
+    if listed := ", ".join(f"{e:.2f}" for e in replay_shares(repeats, ceiling)):
+        lines.append(f"The worker alone, each repeat (its replay's share of the ceiling): {listed}")
+    return lines
 
 
 def time_table(run: EngineRun, floors: Floors | None) -> list[str]:
@@ -188,7 +205,7 @@ def markdown(
     ceiling: Ceiling | None = None,
     pairs: dict[str, list[float]] | None = None,
     speeds: dict[str, list[float]] | None = None,
-    efficiencies: list[float] | None = None,
+    repeats: list[EngineRun] | None = None,
 ) -> str:
     """The whole report: ``title``, then the three tables (the ceiling's line below the first)."""
     lines = [title, "", *systems_table(run, systems, ceiling)]
@@ -199,8 +216,8 @@ def markdown(
     if host_lines := speed_lines(speeds or {}):
         lines += ["", *host_lines]
     lines += ["", *time_table(run, floors)]
-    if efficiency := efficiency_lines(efficiencies or []):
-        lines += ["", *efficiency]
+    if replayed := replay_lines(repeats or [], ceiling):
+        lines += ["", *replayed]
     if online:
         lines += ["", *online_table(online)]
     if busy := noisy(run, systems, floors, online, ceiling=ceiling):
@@ -222,7 +239,7 @@ def write_json(
     ceiling: Ceiling | None = None,
     pairs: dict[str, list[float]] | None = None,
     speeds: dict[str, list[float]] | None = None,
-    efficiencies: list[float] | None = None,
+    repeats: list[EngineRun] | None = None,
 ) -> None:
     """Everything measured plus ``meta`` (model, versions, limits) as one JSON object."""
     ours = run.result.tokens_per_s
@@ -263,7 +280,8 @@ def write_json(
         "hf_best_static": dataclasses.asdict(best) if best else None,
         "floors": dataclasses.asdict(floors) if floors else None,
         "engine_efficiency": floors.replay_seconds / run.wall if floors else None,
-        "engine_efficiency_each_repeat": efficiencies or [],
+        "engine_efficiency_each_repeat": efficiencies(repeats or []),
+        "replay_ceiling_share_each_repeat": replay_shares(repeats or [], ceiling),
         "online": [dataclasses.asdict(o) for o in online],
     }
     path.write_text(json.dumps(data, indent=2) + "\n")

@@ -241,7 +241,6 @@ def main(argv: list[str] | None = None) -> None:
             vllm.close()
     systems = [v.result() for v in vllm_runs] + run_hf(path, reqs, args)
     pairs = {v.name: vllm_cpu.pair_ratios([r.result.tokens_per_s or 0.0 for r in runs], v.runs) for v in vllm_runs}
-    efficiencies = [sum(r.replay) / r.wall for r in runs if r.replay]
 
     vllm_version = next((v.ready["vllm"] for v in vllm_runs if v.ready), None)
     title = (
@@ -249,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
         f"transformers {transformers.__version__}" + (f", vLLM CPU {vllm_version}" if vllm_version else "")
     )
-    print(report.markdown(title, run, systems, floors, online, flop_ceiling, pairs, speeds, efficiencies))
+    print(report.markdown(title, run, systems, floors, online, flop_ceiling, pairs, speeds, runs))
     meta: dict[str, Any] = {
         "model": args.model,
         "model_spec": MODELS[args.model],
@@ -267,9 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"throughput_{args.model}"
-    report.write_json(
-        stem.with_suffix(".json"), meta, run, systems, floors, online, flop_ceiling, pairs, speeds, efficiencies
-    )
+    report.write_json(stem.with_suffix(".json"), meta, run, systems, floors, online, flop_ceiling, pairs, speeds, runs)
     plotted = report.write_plot(stem.with_suffix(".png"), title, run, systems, online)
     written = f"{stem}.json" + (f" and {stem}.png" if plotted else "")
     print(f"\nwrote {written} ({time.perf_counter() - started:.0f}s in all)")
