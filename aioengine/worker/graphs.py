@@ -107,7 +107,7 @@ class PaddedDecodeRunner:
         b, width = batch.block_tables.shape
         self._rows[:, :b].copy_(batch.rows)
         if size > b:  # token 0 at position 0, written to the null block's first slot
-            self._rows[:, b:size].zero_()
+            self._rows[:2, b:size].zero_()
             self.slot_mapping[b:size].fill_(NULL_BLOCK_ID * self.block_size)
         if size > b or self.use_graphs:  # a graph reads every row, every table entry
             self.block_tables[:size].fill_(NULL_BLOCK_ID)
