@@ -5,7 +5,7 @@
    efficiency = replay / wall; the rest of the wall time is scheduling, the executor bridge, output
    processing and any idle worker time. Each run is replayed right after it (``replay_run``): the host's
    speed comes in spells, and a replay taken later, in another spell, tells the spells apart, not the engine's
-   share (one replay after five runs of the tiny model put its efficiency at 0.78; each run's own, at 0.89-0.92).
+   share (one replay after five runs of the tiny model put its efficiency at 0.78; each run's own, at 0.88-0.95).
 2. GEMMs only: every Linear of the engine's model run alone, as the engine runs it (lm_head at the
    step's sample count, the others at its token count), for the same steps, on the same thread.
 
@@ -87,17 +87,13 @@ async def replay_run(engine: AsyncEngine, steps: list[SchedulerOutput]) -> list[
     return seconds
 
 
-async def measure_floors(
-    engine: AsyncEngine, steps: list[SchedulerOutput], replay: list[float] | None = None
-) -> Floors | None:
-    """Both floors for ``steps`` (None when no steps were recorded); the engine must be idle. ``replay``: the
-    steps' replay seconds where ``replay_run`` took them already (right after their run)."""
+async def measure_floors(engine: AsyncEngine, steps: list[SchedulerOutput], replay: list[float]) -> Floors | None:
+    """Both floors for ``steps`` (None when no steps were recorded), the replay's being ``replay``: the seconds
+    ``replay_run`` took for them right after their run. The GEMM floor is measured here; the engine must be idle."""
     if not steps:
         return None
     shapes = [(s.num_tokens, sum(1 for r in s.requests if r.sample)) for s in steps]
     with CpuLoad() as load:
-        if replay is None:
-            replay = await replay_run(engine, steps)
         gemm = await engine.collective_rpc(gemm_steps, (shapes,), unique_reply_rank=0)
     prefill = [i for i, s in enumerate(steps) if _is_prefill(s)]
     return Floors(

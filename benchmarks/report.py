@@ -105,7 +105,11 @@ def replay_shares(repeats: list[EngineRun], ceiling: Ceiling | None) -> list[flo
     around it (its share over its efficiency)."""
     if ceiling is None:
         return []
-    return [(r.result.tokens_per_s or 0.0) * r.wall / sum(r.replay) / ceiling.tokens_per_s for r in repeats if r.replay]
+    return [
+        share * r.wall / sum(r.replay)
+        for r in repeats
+        if r.replay and (share := ceiling.share(r.result.tokens_per_s)) is not None
+    ]
 
 
 def replay_lines(repeats: list[EngineRun], ceiling: Ceiling | None) -> list[str]:

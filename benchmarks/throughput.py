@@ -90,7 +90,7 @@ async def run_engine(
         run = median(runs, lambda r: r.wall)
         spread = with_spread(run.result, [r.result for r in runs])
         run = dataclasses.replace(run, result=dataclasses.replace(spread, startup_seconds=startup))
-        floors = await measure_floors(engine, run.steps, list(run.replay) or None)
+        floors = await measure_floors(engine, run.steps, list(run.replay))
         if floors is not None:
             log(f"floors: replay {floors.replay_seconds:.2f}s, GEMMs {floors.gemm_seconds:.2f}s")
         online = []
