@@ -106,7 +106,7 @@ class SamplingMetadata:
         histories = _per_row("histories", histories, rows, None)
         banned = _per_row("banned", banned, rows, None)
         _per_row("output indices", output_indices, rows, 0)
-        if rows and not any(banned) and all(_plain_greedy(p) for p in params):
+        if rows and not any(banned) and all(plain_greedy(p) for p in params):
             # What the general path below makes of such rows, without its dozen passes over them (a decode step's
             # 64 rows paid ~60 us there): every control None, temperatures 0.
             return cls(
@@ -149,7 +149,7 @@ class SamplingMetadata:
         )
 
 
-def _plain_greedy(p: SamplingParams) -> bool:
+def plain_greedy(p: SamplingParams) -> bool:
     """Whether a row takes the argmax of its raw logits: greedy, and no logit control (allowed tokens, logit bias,
     penalties or bad words) changes them."""
     return p.is_greedy and p.allowed_token_ids is None and not p.logit_bias and not p.uses_history

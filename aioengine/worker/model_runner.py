@@ -26,7 +26,7 @@ from aioengine.model.llama import LlamaForCausalLM, tp_heads
 from aioengine.model.loader import load_model, resolve_dtype, resolve_max_model_len
 from aioengine.model.packing import drop_packed_weights, release_plain_weights, set_weight_prepack
 from aioengine.model.parallel import SINGLE, TensorParallel
-from aioengine.sampling.sampler import Sampler, SamplingMetadata
+from aioengine.sampling.sampler import Sampler, SamplingMetadata, plain_greedy
 from aioengine.worker.cache_engine import CacheEngine
 from aioengine.worker.graphs import PaddedDecodeRunner, default_capture_sizes
 from aioengine.worker.logprobs import asks_logprobs, known_token_logprobs, sampled_logprobs
@@ -320,26 +320,17 @@ class ModelRunner:
             chosen = self.tp.broadcast(torch.empty(len(reqs), dtype=torch.int64, device=self.tp.device)).tolist()
             self._last_sampled = {r.req_id: token for r, token in zip(reqs, chosen, strict=True)}
             return ModelRunnerOutput(step_id, [r.req_id for r in reqs], chosen, time.perf_counter() - start)
-        params = [r.sampling for r in reqs]
-        assert all(p is not None for p in params)
         assert self.model is not None
-        meta = SamplingMetadata.build(
-            params,  # type: ignore[arg-type]
-            [r.output_index for r in reqs],
-            self.device,
-            vocab_size=self.model.lm_head.out_features if pending.logits is None else pending.logits.shape[-1],
-            sample_indices=[r.sample_index for r in reqs],
-            histories=[(r.history + r.token_ids, r.num_prompt_tokens) if r.history is not None else None for r in reqs],
-            banned=[self._banned_before_min_tokens(r) for r in reqs],
-            processed=any(p is not None and p.logprobs is not None and p.logprobs_mode == "processed" for p in params),
-        )
+        # Rows that all take their raw argmax and ask nothing more need no SamplingMetadata (a decode step's rows
+        # paid ~70 us for it); the general path below makes the same choice of such rows, only slower.
+        meta = None if pending.hidden is not None and all(_raw_argmax(r) for r in reqs) else self._metadata(pending)
         logprobs = None
         greedy = None
-        if pending.hidden is not None and meta.argmax_only and not asks_logprobs(reqs):
+        if pending.hidden is not None and (meta is None or (meta.argmax_only and not asks_logprobs(reqs))):
             greedy = self.model.greedy_tokens(pending.hidden)  # the logits never written: [rows, vocab] spared
         if greedy is None:
             logits = self._logits(pending)
-            sampled = self.sampler(logits, meta)
+            sampled = self.sampler(logits, meta or self._metadata(pending))
             greedy = sampled.token_ids
             logprobs = sampled_logprobs(logits, sampled.processed_logits, sampled.token_ids, reqs)
         if self.tp.size > 1:
@@ -353,6 +344,23 @@ class ModelRunner:
             time.perf_counter() - start,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+        )
+
+    def _metadata(self, pending: _Pending) -> SamplingMetadata:
+        """The sampling of ``pending``'s rows, packed."""
+        assert self.model is not None
+        reqs = pending.reqs
+        params = [r.sampling for r in reqs]
+        assert all(p is not None for p in params)
+        return SamplingMetadata.build(
+            params,  # type: ignore[arg-type]
+            [r.output_index for r in reqs],
+            self.device,
+            vocab_size=self.model.lm_head.out_features if pending.logits is None else pending.logits.shape[-1],
+            sample_indices=[r.sample_index for r in reqs],
+            histories=[(r.history + r.token_ids, r.num_prompt_tokens) if r.history is not None else None for r in reqs],
+            banned=[self._banned_before_min_tokens(r) for r in reqs],
+            processed=any(p is not None and p.logprobs is not None and p.logprobs_mode == "processed" for p in params),
         )
 
     def _fits_decode_runner(self, reqs: list[ScheduledRequest]) -> bool:
@@ -375,6 +383,18 @@ class ModelRunner:
         if len(rows) < len(reqs):  # a one-token prefill chunk that does not end its prompt
             out = out[rows]
         return [reqs[i] for i in rows], out
+
+
+def _raw_argmax(req: ScheduledRequest) -> bool:
+    """Whether the row takes the argmax of its raw logits and asks for nothing else: plain greedy
+    (``plain_greedy``), no logprobs, and past ``min_tokens`` (so no id is banned: ``_banned_before_min_tokens``)."""
+    params = req.sampling
+    return (
+        params is not None
+        and plain_greedy(params)
+        and params.logprobs is None
+        and req.output_index >= params.min_tokens
+    )
 
 
 @dataclass(slots=True)
