@@ -283,10 +283,12 @@ class Scheduler:
             if request is not None:
                 for i, token_ids in enumerate(rows.token_ids):  # a recomputed position keeps its first row
                     request.prompt_logprobs.setdefault(rows.first_pos + i, (token_ids, rows.logprobs[i], rows.ranks[i]))
-        logprobs = output.logprobs or {}
+        logprobs = output.logprobs
+        running = RequestStatus.RUNNING
+        # Runs for every row of every step: locals, and the stop check inline where nothing can stop the row.
         for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
             request = ran.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING or not request.num_placeholders:
+            if request is None or request.status is not running or not request.num_placeholders:
                 continue  # aborted, finished or preempted while the step ran: the token is dropped
             request.num_placeholders -= 1
             request.token_ids.append(token)
@@ -295,12 +297,14 @@ class Scheduler:
                 self.running.remove(request)
                 request.status = status
                 self._release(request)
-            updates.append(RequestUpdate(request, [token], status is not None, logprobs.get(req_id)))
+            updates.append(
+                RequestUpdate(request, [token], status is not None, None if logprobs is None else logprobs.get(req_id))
+            )
         return updates
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling
-        n = request.num_output_tokens
+        n = len(request.token_ids) - len(request.prompt_token_ids)  # num_output_tokens, without the property
         if n >= params.min_tokens:
             if token in params.stop_token_ids:
                 request.stop_reason = token
