@@ -285,7 +285,7 @@ class Scheduler:
                     request.prompt_logprobs.setdefault(rows.first_pos + i, (token_ids, rows.logprobs[i], rows.ranks[i]))
         logprobs = output.logprobs
         running = RequestStatus.RUNNING
-        # Runs for every row of every step: locals, and the stop check inline where nothing can stop the row.
+        # Runs for every row of every step: locals, and the status compared by identity.
         for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
             request = ran.get(req_id)
             if request is None or request.status is not running or not request.num_placeholders:

@@ -330,7 +330,7 @@ class ModelRunner:
             greedy = self.model.greedy_tokens(pending.hidden)  # the logits never written: [rows, vocab] spared
         if greedy is None:
             logits = self._logits(pending)
-            sampled = self.sampler(logits, meta or self._metadata(pending))
+            sampled = self.sampler(logits, meta if meta is not None else self._metadata(pending))
             greedy = sampled.token_ids
             logprobs = sampled_logprobs(logits, sampled.processed_logits, sampled.token_ids, reqs)
         if self.tp.size > 1:
