@@ -105,30 +105,20 @@ def test_plain_greedy_rows_take_the_short_way_to_what_the_general_one_makes(monk
 def test_the_runners_short_way_is_taken_only_where_the_metadata_would_be_an_argmax_without_logprobs(
     change: dict, output_index: int
 ) -> None:
-    """The model runner skips ``SamplingMetadata`` where every row takes its raw argmax (``_raw_argmax``): it must
-    say so only of rows whose metadata, built the long way with the bans the runner gives, is ``argmax_only``
+    """The model runner skips ``SamplingMetadata`` where every row takes its raw argmax (``takes_raw_argmax``): it
+    must say so only of rows whose metadata, packed the long way (``sampling_metadata``), is ``argmax_only``
     and asks no logprobs."""
-    from types import SimpleNamespace
-
     from aioengine.messages import ScheduledRequest
-    from aioengine.worker.model_runner import ModelRunner, _raw_argmax
+    from aioengine.worker.step_sampling import sampling_metadata, takes_raw_argmax
 
     params = SamplingParams(**{**GREEDY, **change})
     req = ScheduledRequest("r", [7], 10, [0], params, output_index, 0, [1] * 10 if params.uses_history else None, 4)
-    runner = SimpleNamespace(eos_token_ids=[2], model_info=lambda: SimpleNamespace(vocab_size=V))
-    meta = SamplingMetadata.build(
-        [params],
-        [output_index],
-        "cpu",
-        vocab_size=V,
-        histories=[(req.history + req.token_ids, 4) if req.history is not None else None],
-        banned=[ModelRunner._banned_before_min_tokens(runner, req)],  # type: ignore[arg-type]
-        processed=params.logprobs is not None and params.logprobs_mode == "processed",
-    )
+    meta = sampling_metadata([req], "cpu", vocab_size=V, eos_token_ids=[2], model_vocab_size=V)  # the long way
     long_way = meta.argmax_only and params.logprobs is None
     # Both ways agree, save where min_tokens bans nothing the row could pick (no stop id, EOS ignored): the
     # short way then declines a row the long way would take, and the long way answers it as before.
-    assert _raw_argmax(req) == long_way or (not _raw_argmax(req) and long_way and output_index < params.min_tokens)
+    short_way = takes_raw_argmax(req)
+    assert short_way == long_way or (not short_way and long_way and output_index < params.min_tokens)
 
 
 @pytest.mark.parametrize(

@@ -26,11 +26,12 @@ from aioengine.model.llama import LlamaForCausalLM, tp_heads
 from aioengine.model.loader import load_model, resolve_dtype, resolve_max_model_len
 from aioengine.model.packing import drop_packed_weights, release_plain_weights, set_weight_prepack
 from aioengine.model.parallel import SINGLE, TensorParallel
-from aioengine.sampling.sampler import Sampler, SamplingMetadata, plain_greedy
+from aioengine.sampling.sampler import Sampler, SamplingMetadata
 from aioengine.worker.cache_engine import CacheEngine
 from aioengine.worker.graphs import PaddedDecodeRunner, default_capture_sizes
 from aioengine.worker.logprobs import asks_logprobs, known_token_logprobs, sampled_logprobs
 from aioengine.worker.step_inputs import StepInputs, fill_placeholders, padded_decode_inputs, prepare_inputs
+from aioengine.worker.step_sampling import sampling_metadata, takes_raw_argmax
 
 logger = logging.getLogger(__name__)
 
@@ -244,15 +245,6 @@ class ModelRunner:
             sched, self.block_size, self.device, decode_kernel=self.decode_kernel, prefill_kernel=self.prefill_kernel
         )
 
-    def _banned_before_min_tokens(self, req: ScheduledRequest) -> list[int] | None:
-        """A row still short of ``min_tokens`` cannot pick EOS or a stop id (as in vLLM)."""
-        params = req.sampling
-        if params is None or req.output_index >= params.min_tokens:
-            return None
-        banned = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
-        vocab = self.model_info().vocab_size
-        return [t for t in banned if t < vocab] or None
-
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         """Runs the forward. Returns None when rows are left to sample: ``sample_tokens`` does that,
@@ -323,7 +315,8 @@ class ModelRunner:
         assert self.model is not None
         # Rows that all take their raw argmax and ask nothing more need no SamplingMetadata (a decode step's rows
         # paid ~70 us for it); the general path below makes the same choice of such rows, only slower.
-        meta = None if pending.hidden is not None and all(_raw_argmax(r) for r in reqs) else self._metadata(pending)
+        raw_argmax = pending.hidden is not None and all(takes_raw_argmax(r) for r in reqs)
+        meta = None if raw_argmax else self._metadata(pending)
         logprobs = None
         greedy = None
         if pending.hidden is not None and (meta is None or (meta.argmax_only and not asks_logprobs(reqs))):
@@ -349,18 +342,12 @@ class ModelRunner:
     def _metadata(self, pending: _Pending) -> SamplingMetadata:
         """The sampling of ``pending``'s rows, packed."""
         assert self.model is not None
-        reqs = pending.reqs
-        params = [r.sampling for r in reqs]
-        assert all(p is not None for p in params)
-        return SamplingMetadata.build(
-            params,  # type: ignore[arg-type]
-            [r.output_index for r in reqs],
+        return sampling_metadata(
+            pending.reqs,
             self.device,
             vocab_size=self.model.lm_head.out_features if pending.logits is None else pending.logits.shape[-1],
-            sample_indices=[r.sample_index for r in reqs],
-            histories=[(r.history + r.token_ids, r.num_prompt_tokens) if r.history is not None else None for r in reqs],
-            banned=[self._banned_before_min_tokens(r) for r in reqs],
-            processed=any(p is not None and p.logprobs is not None and p.logprobs_mode == "processed" for p in params),
+            eos_token_ids=self.eos_token_ids,
+            model_vocab_size=self.model_info().vocab_size,
         )
 
     def _fits_decode_runner(self, reqs: list[ScheduledRequest]) -> bool:
@@ -383,18 +370,6 @@ class ModelRunner:
         if len(rows) < len(reqs):  # a one-token prefill chunk that does not end its prompt
             out = out[rows]
         return [reqs[i] for i in rows], out
-
-
-def _raw_argmax(req: ScheduledRequest) -> bool:
-    """Whether the row takes the argmax of its raw logits and asks for nothing else: plain greedy
-    (``plain_greedy``), no logprobs, and past ``min_tokens`` (so no id is banned: ``_banned_before_min_tokens``)."""
-    params = req.sampling
-    return (
-        params is not None
-        and plain_greedy(params)
-        and params.logprobs is None
-        and req.output_index >= params.min_tokens
-    )
 
 
 @dataclass(slots=True)
