@@ -304,7 +304,7 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling
-        n = len(request.token_ids) - len(request.prompt_token_ids)  # num_output_tokens, without the property
+        n = request.num_output_tokens
         if n >= params.min_tokens:
             if token in params.stop_token_ids:
                 request.stop_reason = token
