@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from aioengine.messages import NULL_BLOCK_ID
+from aioengine.messages import NULL_BLOCK_ID, ScheduledRequest
 from aioengine.model.attention import AttentionMetadata
 from aioengine.model.llama import LlamaForCausalLM
-from aioengine.worker.step_inputs import DecodeBatch
+from aioengine.worker.step_inputs import DecodeBatch, padded_decode_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,11 @@ class PaddedDecodeRunner:
         """The smallest captured size that holds ``batch_size``; None when it is larger than all."""
         i = bisect.bisect_left(self.sizes, batch_size)
         return self.sizes[i] if i < len(self.sizes) else None
+
+    def batch(self, reqs: list[ScheduledRequest]) -> DecodeBatch:
+        """``reqs`` (decodes, one token each) as a batch this runner takes: slots and tables at its block size, row
+        groups only where it has no decode kernel."""
+        return padded_decode_inputs(reqs, self.device, self.decode_kernel, self.block_size)
 
     def _meta(self, size: int, width: int, groups: list[tuple[torch.Tensor, int]] | None = None) -> AttentionMetadata:
         return AttentionMetadata(

@@ -30,7 +30,7 @@ from aioengine.sampling.sampler import Sampler, SamplingMetadata
 from aioengine.worker.cache_engine import CacheEngine
 from aioengine.worker.graphs import PaddedDecodeRunner, default_capture_sizes
 from aioengine.worker.logprobs import asks_logprobs, known_token_logprobs, sampled_logprobs
-from aioengine.worker.step_inputs import StepInputs, fill_placeholders, padded_decode_inputs, prepare_inputs
+from aioengine.worker.step_inputs import StepInputs, fill_placeholders, prepare_inputs
 from aioengine.worker.step_sampling import sampling_metadata, takes_raw_argmax
 
 logger = logging.getLogger(__name__)
@@ -365,7 +365,7 @@ class ModelRunner:
         eager), else logits."""
         assert self.decode_runner is not None
         run = self.decode_runner.run_hidden if lazy else self.decode_runner.run
-        out = run(padded_decode_inputs(reqs, self.device, self.decode_kernel, self.block_size))
+        out = run(self.decode_runner.batch(reqs))
         rows = [i for i, r in enumerate(reqs) if r.sample]
         if len(rows) < len(reqs):  # a one-token prefill chunk that does not end its prompt
             out = out[rows]
