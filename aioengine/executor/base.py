@@ -83,6 +83,35 @@ class OverdueCalls:
         return [f"{name!r} (timed out, running {now - since:.1f}s)" for name, since in self._calls.values()]
 
 
+async def gather_replies(
+    futures: list[asyncio.Future[Any]],
+    name: str,
+    timeout: float | None,
+    unique_reply_rank: int | None,
+    overdue: OverdueCalls,
+    runs_in: str,
+) -> Any:
+    """``collective_rpc``'s answer from its ranks' ``futures``: one result per rank, or ``unique_reply_rank``'s.
+    The first rank's error is raised as soon as it comes. Past ``timeout`` the calls still running are recorded in
+    ``overdue`` and ``TimeoutError`` says where they run (``runs_in``)."""
+    # asyncio.wait, not wait_for: a timeout must not cancel the futures, which track the calls until they return
+    # (cancelling them would end the overdue record at once while the calls still run).
+    done, running = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+    for future in futures:
+        if future in done and (error := future.exception()) is not None:
+            raise error
+    if running:
+        # A call keeps its worker until it returns (a thread cannot be interrupted), and the steps queued behind
+        # it wait: say so until it is over.
+        overdue.add(running, name)
+        raise TimeoutError(
+            f"collective_rpc {name!r} timed out after {timeout}s; it still runs {runs_in} and model steps wait "
+            "behind it until it returns"
+        )
+    results = [future.result() for future in futures]
+    return results[unique_reply_rank] if unique_reply_rank is not None else results
+
+
 class Executor(ABC):
     """Runs methods on every worker and gathers their results."""
 

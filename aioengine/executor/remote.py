@@ -44,7 +44,14 @@ from typing import Any, ClassVar, Generic, TypeVar
 import cloudpickle  # type: ignore[import-untyped]
 
 from aioengine.errors import EngineDeadError
-from aioengine.executor.base import Executor, OverdueCalls, bridge, execute_and_sample, retrieve
+from aioengine.executor.base import (
+    Executor,
+    OverdueCalls,
+    bridge,
+    execute_and_sample,
+    gather_replies,
+    retrieve,
+)
 from aioengine.executor.rank_replies import once_every_rank_answered
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.model.tp_layout import check_checkpoint_split
@@ -203,20 +210,7 @@ class RemoteExecutor(Executor, Generic[R]):
         unique_reply_rank: int | None = None,
     ) -> Any:
         name, futures = self._call("step", method, args, kwargs or {})
-        # asyncio.wait, not wait_for: a timeout must not cancel the futures, which track the calls still
-        # running (overdue_calls) until their replies come.
-        done, running = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
-        for future in futures:
-            if future in done and (error := future.exception()) is not None:
-                raise error
-        if running:
-            self._overdue.add(running, name)
-            raise TimeoutError(
-                f"collective_rpc {name!r} timed out after {timeout}s; it still runs in {self.calls_run_in} and model "
-                "steps wait behind it until it returns"
-            )
-        results = [future.result() for future in futures]
-        return results[unique_reply_rank] if unique_reply_rank is not None else results
+        return await gather_replies(futures, name, timeout, unique_reply_rank, self._overdue, f"in {self.calls_run_in}")
 
     def overdue_calls(self) -> list[str]:
         return self._overdue.describe()

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aioengine.errors import ConfigurationError, EngineDeadError
-from aioengine.executor.base import Executor, OverdueCalls, bridge, execute_and_sample
+from aioengine.executor.base import Executor, OverdueCalls, bridge, execute_and_sample, gather_replies
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.worker.wrapper import WorkerWrapper
 
@@ -86,19 +86,7 @@ class ThreadExecutor(Executor):
     ) -> Any:
         futures = [self._call(rank, method, args, kwargs or {}) for rank in range(self.world_size)]
         name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
-        # asyncio.wait, not wait_for: a timeout must not cancel the futures, which track the call until it
-        # returns (cancelling them would end the overdue record at once while the call still runs).
-        _, running = await asyncio.wait(futures, timeout=timeout)
-        if running:
-            # The call keeps its worker thread until it returns (a thread cannot be interrupted), and the
-            # steps queued behind it wait: say so until it is over.
-            self._overdue.add(running, name)
-            raise TimeoutError(
-                f"collective_rpc {name!r} timed out after {timeout}s; it still runs on the worker thread and "
-                "model steps wait behind it until it returns"
-            )
-        results = [future.result() for future in futures]
-        return results[unique_reply_rank] if unique_reply_rank is not None else results
+        return await gather_replies(futures, name, timeout, unique_reply_rank, self._overdue, "on the worker thread")
 
     def overdue_calls(self) -> list[str]:
         return self._overdue.describe()
