@@ -340,3 +340,38 @@ async def test_the_engine_screens_greedy_steps_and_keeps_hf_tokens(
         async with make_engine(llama_ckpt, device={"cpu_greedy_screen": on}) as engine:
             assert await greedy(engine) == hf_tokens
             assert await engine.collective_rpc(screen_made, unique_reply_rank=0) is on
+
+
+def screen_current(worker: Any) -> bool | None:
+    """Whether the lm_head's screen copy is made and in step with its weight (None: no greedy step read it yet)."""
+    head = worker.model_runner.model.lm_head
+    if head._screen is None:
+        return None
+    copy = head._screen.copy
+    return copy is not None and copy.generation == head._generation
+
+
+async def test_a_weight_write_or_a_wake_makes_the_screen_again_where_greedy_steps_read_it(
+    screen_kernel: ModuleType, make_engine: Callable[..., AsyncEngine], llama_ckpt: Path, ckpt_b: Path
+) -> None:
+    """Where greedy steps read the screen's copy, the write (or wake) that replaces the weight makes the copy again
+    inside its own pause: the first greedy step after it runs at its usual cost, and the pause it reports holds
+    what the streams wait for. Where none read it since it was made (weights pushed between sampled rollouts), the
+    copy is left stale for the next greedy step, if one comes. The new copy picks what the new weights pick."""
+    async with make_engine(llama_ckpt) as engine:
+        await engine.update_weights(ckpt_b)
+        assert await engine.collective_rpc(screen_current, unique_reply_rank=0) is None  # no greedy step yet
+        await greedy(engine)
+        assert await engine.collective_rpc(screen_current, unique_reply_rank=0) is True
+        await engine.update_weights(llama_ckpt)
+        assert await engine.collective_rpc(screen_current, unique_reply_rank=0) is True  # made in the write
+        await engine.update_weights(ckpt_b)
+        assert await engine.collective_rpc(screen_current, unique_reply_rank=0) is False  # unread since: left stale
+        await greedy(engine)
+        await engine.sleep(1)
+        assert await engine.collective_rpc(screen_current, unique_reply_rank=0) is False  # freed with the weights
+        await engine.wake_up()
+        assert await engine.collective_rpc(screen_current, unique_reply_rank=0) is True  # made in the wake
+        tokens_b = await greedy(engine)
+    async with make_engine(ckpt_b, device={"cpu_greedy_screen": False}) as reference:
+        assert tokens_b == await greedy(reference)

@@ -102,6 +102,10 @@ class GreedyScreen:
         self._sample: list[torch.Tensor] = []
         """Rows of x seen so far, until the split is chosen."""
         self._rows_seen = 0
+        self.read_since_made = False
+        """Whether a greedy step read the screen since its copy was last made: then the next weight write or wake
+        makes the copy again itself (``Linear.refresh_greedy_screen``); else the next greedy step does, if one comes
+        (a training loop that pushes weights between sampled rollouts never pays for it)."""
 
     @staticmethod
     def available(kernels: ModuleType | None) -> bool:
@@ -109,7 +113,8 @@ class GreedyScreen:
         return hasattr(kernels, "pack_greedy_screen")
 
     def drop(self) -> None:
-        """Frees the copy (sleep, or the weight's copy dropped); the split is kept."""
+        """Frees the copy (sleep, or the weight's copy dropped); the split is kept, and whether greedy steps read
+        it (a wake makes it again where they did)."""
         self.copy = None
 
     def copy_for(self, weight_copy: tuple[int, int, int, int], generation: int) -> ScreenCopy:
@@ -124,6 +129,7 @@ class GreedyScreen:
                 address, floats, out_features, self.in_features, stride, split.order, split.int8_dims, *into
             )
             copy = self.copy = ScreenCopy(packed, norms, split, generation)
+            self.read_since_made = False
         return copy
 
     def argmax(
@@ -140,6 +146,7 @@ class GreedyScreen:
         if self._rows_seen < SAMPLE_ROWS:
             self._observe(x)
         copy = self.copy_for(weight_copy, generation)
+        self.read_since_made = True
         address, floats, out_features, stride = weight_copy
         tokens = self.kernels.greedy_screen_argmax(
             x,

@@ -127,12 +127,21 @@ class Linear(nn.Linear):
 
     def greedy_screen_copy(self) -> ScreenCopy | None:
         """The copy ``greedy_screen_argmax`` reads, made from the row-block copy as it is now (again after any
-        write to it, into the same memory): the first greedy step after load, a swap or a wake pays it. None
+        write to it, into the same memory): the first greedy step pays it, and after a weight write or a wake the
+        write or wake does (``refresh_greedy_screen``). None
         where the screen is off or these kernels lack it. On CPU the KV cache takes a quarter of the free host
         memory (``cpu_worker.CPU_KV_SHARE``), so the copy (at most half the head's weight) fits beside it."""
         copy = self.row_block_weight()  # brought up to the weight first: the screen is made from it
         screen = self._screen_object()
         return None if copy is None or screen is None else screen.copy_for(copy, self._generation)
+
+    def refresh_greedy_screen(self) -> None:
+        """Makes the screen's copy again now, after a weight write or a wake, where greedy steps read the copy it
+        replaces (``GreedyScreen.read_since_made``): the write or wake pays for it inside its own pause, and the
+        first greedy step after it runs at its usual cost. Where none did, the next greedy step makes it, if one
+        comes."""
+        if self._screen is not None and self._screen.read_since_made:
+            self.greedy_screen_copy()
 
     def _screen_object(self) -> GreedyScreen | None:
         if not self.greedy_screen or self.kernels is None or not GreedyScreen.available(self.kernels):

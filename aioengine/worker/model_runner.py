@@ -119,12 +119,15 @@ class ModelRunner:
 
     def prepack_weights(self) -> int:
         """(Re)builds the oneDNN copies of the linear weights where they are on (``device.cpu_weight_prepack``,
-        CPU, float32); returns their bytes. Called after the weights change (never on discarded ones: the
-        worker asks its sleep backend first); see ``linear.Linear``."""
+        CPU, float32), and the lm_head's greedy screen where greedy steps read it; returns the copies' bytes.
+        Called after the weights change (never on discarded ones: the worker asks its sleep backend first); see
+        ``linear.Linear``."""
         if self.model is None:
             return 0
         on = self.config.device.cpu_weight_prepack and cpu_prepack_supported(self.device, self.dtype)
-        return set_weight_prepack(self.model, self.config.scheduler.max_num_seqs if on else None)
+        packed = set_weight_prepack(self.model, self.config.scheduler.max_num_seqs if on else None)
+        self.model.lm_head.refresh_greedy_screen()
+        return packed
 
     def drop_packed_weights(self, keep_values: bool = True) -> None:
         """Frees the oneDNN weight copies (before sleep); the next ``prepack_weights`` or forward rebuilds them.
