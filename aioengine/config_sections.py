@@ -262,7 +262,8 @@ class DeviceConfig(_Section):
             "CPU, float32, AVX512-BF16 and AVX512-VNNI hosts: greedy steps find the lm_head's argmax from a copy "
             "of its weight in int8 and bfloat16, summing in float32 only the rows that copy cannot rule out: the "
             "same tokens, bit for bit, at about a third of the lm_head's cost, for at most half its weight's bytes "
-            "again in memory (made on the first greedy step, again after a weight swap, freed by sleep)."
+            "again in memory (made by the first greedy step, freed by sleep; a weight swap or a wake makes it again "
+            "within its own pause where greedy steps read it)."
         ),
     )
     cpu_keep_plain_weights: bool = Field(
