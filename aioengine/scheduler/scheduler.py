@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from aioengine.config import PreemptionMode
-from aioengine.messages import LogprobRows, ModelRunnerOutput, SchedulerOutput
+from aioengine.messages import LogprobRows, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from aioengine.scheduler.host_pool import HostSwapPool
 from aioengine.scheduler.kv_manager import KVBlockManager
 from aioengine.scheduler.request import Request, RequestStatus
@@ -167,8 +167,9 @@ class Scheduler:
                 continue
             break  # the request itself was preempted; everything after it already was
 
-        seats = sum(1 + len(r.followers) for r in self.running)  # parked sequences run once their group forks
         continuing = len(scheduled)
+        # Parked sequences run once their group forks: they hold seats already.
+        seats = sum(1 + len(r.followers) for r in self.running) if self.waiting else 0
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
             if seats + 1 + len(request.followers) > self.max_num_seqs:
@@ -197,17 +198,25 @@ class Scheduler:
             budget -= num_new
 
         step_id = next(self._step_ids)
-        if scheduled:
-            self._scheduled[step_id] = {r.req_id: (r, r.num_preemptions) for r, _ in scheduled}
-        before = [(r, r.num_computed_tokens, r.num_registered_blocks) for r, _ in scheduled]
-        described = [describe(r, n) for r, n in scheduled]
+        ran: dict[str, tuple[Request, int]] = {}
+        described: list[ScheduledRequest] = []
+        advanced: list[tuple[Request, int, bool, int]] = []  # what revoke() would put back
         registered: list[int] = []
         forked = False
-        for request, _ in scheduled:
+        # One pass over the step's requests (it runs for every request every step). A fork starts only the leader's
+        # parked sequences, none of the step's other requests, so each request's turn sees what it would alone.
+        for request, num_new in scheduled:
+            ran[request.req_id] = (request, request.num_preemptions)
+            computed, num_registered = request.num_computed_tokens, request.num_registered_blocks
+            scheduled_request = describe(request, num_new)
+            described.append(scheduled_request)
+            advanced.append((request, computed, scheduled_request.sampling is not None, num_registered))
             registered += kv.register(request)
             if request.followers and request.num_computed_tokens >= request.num_shared_tokens:
                 self._fork(request)
                 forked = True
+        if ran:
+            self._scheduled[step_id] = ran
         swap_in, swap_out = self.host.take_swaps()
         out = SchedulerOutput(
             step_id=step_id,
@@ -221,8 +230,6 @@ class Scheduler:
         simple = continuing == len(scheduled) and not (preempted or forked or swap_in or swap_out)
         self._revocable = None
         if scheduled and simple and not out.blocks_to_copy:
-            samples = [d.sampling is not None for d in described]
-            advanced = [(r, c, sampled, reg) for (r, c, reg), sampled in zip(before, samples, strict=True)]
             self._revocable = _Revocable(step_id, advanced, registered)
         return out
 
