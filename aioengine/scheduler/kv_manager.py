@@ -101,12 +101,16 @@ class KVBlockManager:
             return True  # most decode steps: the last block has room
         if need + (shared is not None) > self.num_free_blocks:
             return False
+        # A new list, never the old one changed: the steps scheduled before keep the table they were sent with
+        # (``describe`` hands the request's own list out, uncopied).
+        blocks = list(blocks)
         if shared is not None:
             src = blocks[shared]
             self._refs[src] -= 1
             blocks[shared] = self._take()
             self.pending_copies.setdefault(src, []).append(blocks[shared])
         blocks.extend(self._take() for _ in range(need))
+        request.block_ids = blocks
         return True
 
     def share(self, source: Request, target: Request, num_tokens: int) -> None:

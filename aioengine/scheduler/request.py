@@ -39,6 +39,8 @@ class Request:
     num_placeholders: int = 0
     """Tokens that scheduled steps will sample but whose outputs have not come back yet (0 or 1)."""
     block_ids: list[int] = field(default_factory=list)
+    """The request's KV blocks in order. Replaced, never changed in place: a step scheduled earlier holds the list it
+    was sent with."""
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0

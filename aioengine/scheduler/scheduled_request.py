@@ -23,7 +23,7 @@ def describe(request: Request, num_new: int) -> ScheduledRequest:
         request.req_id,
         token_ids,
         start,
-        list(request.block_ids),
+        request.block_ids,  # never changed in place (``KVBlockManager.allocate`` makes a new list)
         params if samples else None,
         len(tokens) - num_prompt + placeholders,  # output_index: tokens generated before this step
         request.sample_index,
