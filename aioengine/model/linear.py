@@ -128,9 +128,9 @@ class Linear(nn.Linear):
     def greedy_screen_copy(self) -> ScreenCopy | None:
         """The copy ``greedy_screen_argmax`` reads, made from the row-block copy as it is now (again after any
         write to it, into the same memory): the first greedy step pays it, and after a weight write or a wake the
-        write or wake does (``refresh_greedy_screen``). None
-        where the screen is off or these kernels lack it. On CPU the KV cache takes a quarter of the free host
-        memory (``cpu_worker.CPU_KV_SHARE``), so the copy (at most half the head's weight) fits beside it."""
+        write or wake does (``refresh_greedy_screen``). None where the screen is off or these kernels lack it. On
+        CPU the KV cache takes a quarter of the free host memory (``cpu_worker.CPU_KV_SHARE``), so the copy (at
+        most half the head's weight) fits beside it."""
         copy = self.row_block_weight()  # brought up to the weight first: the screen is made from it
         screen = self._screen_object()
         return None if copy is None or screen is None else screen.copy_for(copy, self._generation)
