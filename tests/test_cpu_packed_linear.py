@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from aioengine.model.linear import Linear, cpu_prepack_supported, row_block_layout
+from aioengine.model.linear import Linear, cpu_prepack_supported
+from aioengine.model.onednn_layout import row_block_layout
 from aioengine.model.packing import dense_parameters, set_weight_prepack
 from aioengine.testing import build_checkpoint
 from aioengine.worker.model_runner import ModelRunner

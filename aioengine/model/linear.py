@@ -5,7 +5,6 @@ model-wide switches over every such layer (packing on or off, stale, dropped, pl
 
 from __future__ import annotations
 
-import functools
 import logging
 from types import ModuleType
 
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aioengine.model.greedy_screen import GreedyScreen, ScreenCopy
+from aioengine.model.onednn_layout import GEMM_BLOCK, has_row_block_gemm, packed_floats, row_block_layout
 from aioengine.model.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ class Linear(nn.Linear):
             self._write_packed(weight, 0, layout, None)
         self._rows_packed = 0
         # Every row is now written under the proven layout, so the GEMM may read it if it is 64-row blocks.
-        self._row_blocks = self._row_blocks_at(layout[1]) if layout[0] == _GEMM_BLOCK else None
+        self._row_blocks = self._row_blocks_at(layout[1]) if layout[0] == GEMM_BLOCK else None
         return True
 
     def reorder_hint(self) -> int:
@@ -239,29 +239,29 @@ class Linear(nn.Linear):
         GEMM can read the copy. It runs every row count itself, and oneDNN lays out a copy for 64 rows in
         the 64-row blocks it reads, where for fewer it may pick another layout (at one row, the plain one)."""
         assert self.prepack_hint is not None
-        if _has_row_block_gemm(self.kernels):
-            return max(self.prepack_hint, _GEMM_BLOCK)
+        if has_row_block_gemm(self.kernels):
+            return max(self.prepack_hint, GEMM_BLOCK)
         return self.prepack_hint
 
     def _row_blocks_at(self, stride: int) -> tuple[int, int, int] | None:
         """``_row_blocks`` of the copy read as 64-row blocks at ``stride``; None without the GEMM."""
-        if self._packed is None or not _has_row_block_gemm(self.kernels):
+        if self._packed is None or not has_row_block_gemm(self.kernels):
             return None
-        return torch.ops.mkldnn.data_ptr(self._packed), _packed_floats(self._packed), stride
+        return torch.ops.mkldnn.data_ptr(self._packed), packed_floats(self._packed), stride
 
     def _checked_row_blocks(self, weight: torch.Tensor) -> tuple[int, int, int] | None:
         """The copy just made by oneDNN, as ``linear_row_blocks`` reads it, if it holds ``weight`` in 64-row
         blocks value for value (one read of each); else None (oneDNN's GEMM reads it)."""
         kernels, packed = self.kernels, self._packed
-        if kernels is None or packed is None or not _has_row_block_gemm(kernels):
+        if kernels is None or packed is None or not has_row_block_gemm(kernels):
             return None
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
             return None
-        floats, blocks = _packed_floats(packed), -(-weight.shape[0] // _GEMM_BLOCK)
-        if floats % blocks or floats // blocks < weight.shape[1] * _GEMM_BLOCK:
+        floats, blocks = packed_floats(packed), -(-weight.shape[0] // GEMM_BLOCK)
+        if floats % blocks or floats // blocks < weight.shape[1] * GEMM_BLOCK:
             return None
         view = self._row_blocks_at(floats // blocks)
-        if view is None or not kernels.row_blocks_equal(weight, view[0], floats, _GEMM_BLOCK, view[2]):
+        if view is None or not kernels.row_blocks_equal(weight, view[0], floats, GEMM_BLOCK, view[2]):
             return None
         return view
 
@@ -307,7 +307,7 @@ class Linear(nn.Linear):
     ) -> bool:
         """``pack_rows``: ``src`` into the copy at row ``offset`` (and ``plain``); whether it was all finite."""
         assert self._packed is not None and self.kernels is not None
-        address, floats = torch.ops.mkldnn.data_ptr(self._packed), _packed_floats(self._packed)
+        address, floats = torch.ops.mkldnn.data_ptr(self._packed), packed_floats(self._packed)
         return bool(self.kernels.pack_rows(src.detach(), offset, address, floats, *layout, plain))
 
     def mark_packed_stale(self) -> None:
@@ -334,55 +334,6 @@ class Linear(nn.Linear):
         if self._screen is not None:
             self._screen.drop()  # the copy; the split of the dimensions stays
         self._generation += 1
-
-
-_GEMM_BLOCK = 64
-"""The row block of the copies ``linear_row_blocks`` reads."""
-
-
-def _has_row_block_gemm(kernels: ModuleType | None) -> bool:
-    """Whether these kernels have ``linear_row_blocks`` (AVX-512 and AVX2 builds do)."""
-    return hasattr(kernels, "linear_row_blocks")
-
-
-def _packed_floats(packed: torch.Tensor) -> int:
-    return int(torch.ops.mkldnn._nbytes(packed)) // 4
-
-
-def row_block_layout(kernels: ModuleType, out_features: int, in_features: int, hint: int) -> tuple[int, int] | None:
-    """``(block, block_stride)`` of ``pack_rows`` under which oneDNN lays out an ``[out, in]``
-    float32 weight reordered for ``hint`` rows here on torch's current thread count (the layout follows
-    it too), or None (it then is reordered anew, as before).
-
-    oneDNN chooses the layout, so it is found, not assumed: for each candidate block size a probe of
-    distinct values is written in place into a fresh reorder of zeros and read back through oneDNN's own
-    ``to_dense``; the first candidate that returns the probe exactly is the layout. Once per shape, thread
-    count and process (the first swap pays it: ~0.2 s for a 49k-row LM head)."""
-    return _probed_layout(kernels, out_features, in_features, hint, torch.get_num_threads())
-
-
-@functools.cache
-def _probed_layout(
-    kernels: ModuleType, out_features: int, in_features: int, hint: int, threads: int
-) -> tuple[int, int] | None:
-    """``row_block_layout``'s probe, cached by thread count as well (run on ``threads``: torch's count now)."""
-    ops = torch.ops.mkldnn
-    if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
-        return None
-    # Distinct, normal floats (1.0 upwards, one ulp apart): unlike random draws, no two can be equal.
-    one = 0x3F800000
-    probe = torch.arange(out_features * in_features, dtype=torch.int32).add_(one).view(torch.float32)
-    probe = probe.view(out_features, in_features)
-    for block in (64, 32, 16, 8, 48, 128):
-        target = ops._reorder_linear_weight(torch.zeros_like(probe), hint)
-        floats, blocks = _packed_floats(target), -(-out_features // block)
-        if floats % blocks or floats // blocks < in_features * block:
-            continue
-        kernels.pack_rows(probe, 0, ops.data_ptr(target), floats, block, floats // blocks)
-        if torch.equal(target.to_dense(), probe):
-            return block, floats // blocks
-    logger.info("no in-place layout for a [%d, %d] oneDNN weight; swaps reorder it anew", out_features, in_features)
-    return None
 
 
 class RowParallelLinear(Linear):
