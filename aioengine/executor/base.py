@@ -83,6 +83,11 @@ class OverdueCalls:
         return [f"{name!r} (timed out, running {now - since:.1f}s)" for name, since in self._calls.values()]
 
 
+def call_name(method: str | Callable[..., Any]) -> str:
+    """How errors, timeouts and ``overdue_calls`` name a worker call: the method's name, or the callable's."""
+    return method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
+
+
 async def gather_replies(
     futures: list[asyncio.Future[Any]],
     name: str,

@@ -48,6 +48,7 @@ from aioengine.executor.base import (
     Executor,
     OverdueCalls,
     bridge,
+    call_name,
     execute_and_sample,
     gather_replies,
     retrieve,
@@ -188,11 +189,11 @@ class RemoteExecutor(Executor, Generic[R]):
         kwargs: dict[str, Any],
         watched: bool = False,
     ) -> tuple[str, list[asyncio.Future[Any]]]:
+        name = call_name(method)
         wire: str | bytes
         if isinstance(method, str):
-            name, wire = method, method
+            wire = method
         else:
-            name = getattr(method, "__qualname__", repr(method))
             wire = _STEP if method is execute_and_sample else _dumps_callable(method, name)
         futures = [bridge(f) for f in self._send(lane, wire, args, kwargs, name, watched=watched)]
         for future in futures:

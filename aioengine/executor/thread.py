@@ -20,7 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 from aioengine.errors import ConfigurationError, EngineDeadError
-from aioengine.executor.base import Executor, OverdueCalls, bridge, execute_and_sample, gather_replies
+from aioengine.executor.base import (
+    Executor,
+    OverdueCalls,
+    bridge,
+    call_name,
+    execute_and_sample,
+    gather_replies,
+)
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.worker.wrapper import WorkerWrapper
 
@@ -85,7 +92,7 @@ class ThreadExecutor(Executor):
         unique_reply_rank: int | None = None,
     ) -> Any:
         futures = [self._call(rank, method, args, kwargs or {}) for rank in range(self.world_size)]
-        name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
+        name = call_name(method)
         return await gather_replies(futures, name, timeout, unique_reply_rank, self._overdue, "on the worker thread")
 
     def overdue_calls(self) -> list[str]:
