@@ -11,20 +11,21 @@ from aioengine.model.linear import Linear
 
 
 def set_weight_prepack(model: nn.Module, hint: int | None) -> int:
-    """Turns oneDNN packing of every ``Linear`` on (reordered now) or off (None); returns bytes packed.
+    """Turns oneDNN packing of every ``Linear`` on (reordered now) or off (None), and brings each greedy screen
+    that greedy steps read up to its weight (``Linear.refresh_greedy_screen``); returns bytes packed.
 
     A layer already packed for this hint from its current weight (a weight write packs each layer as its
     weight is completed, ``LlamaForCausalLM.weight_written``) keeps its copy."""
     total = 0
     for module in model.modules():
         if isinstance(module, Linear):
-            if hint is not None and module.prepack_hint == hint and module.packed_current():
-                continue
-            if module.prepack_hint != hint:
-                module.drop_packed()  # a copy for another hint has another layout (or packing goes off)
-            module.prepack_hint = hint
-            if hint is not None:
-                total += module.pack()
+            if not (hint is not None and module.prepack_hint == hint and module.packed_current()):
+                if module.prepack_hint != hint:
+                    module.drop_packed()  # a copy for another hint has another layout (or packing goes off)
+                module.prepack_hint = hint
+                if hint is not None:
+                    total += module.pack()
+            module.refresh_greedy_screen()
     return total
 
 

@@ -125,9 +125,7 @@ class ModelRunner:
         if self.model is None:
             return 0
         on = self.config.device.cpu_weight_prepack and cpu_prepack_supported(self.device, self.dtype)
-        packed = set_weight_prepack(self.model, self.config.scheduler.max_num_seqs if on else None)
-        self.model.lm_head.refresh_greedy_screen()
-        return packed
+        return set_weight_prepack(self.model, self.config.scheduler.max_num_seqs if on else None)
 
     def drop_packed_weights(self, keep_values: bool = True) -> None:
         """Frees the oneDNN weight copies (before sleep); the next ``prepack_weights`` or forward rebuilds them.
