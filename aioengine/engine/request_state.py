@@ -85,7 +85,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.request.status.is_finished for s in self.samples)
+        samples = self.samples
+        if len(samples) == 1:  # most requests; read for each request a step touches
+            return samples[0].request.status.is_finished
+        return all(s.request.status.is_finished for s in samples)
 
     def add(self, request: Request, token_ids: list[int], finished: bool, rows: LogprobRows | None) -> str | None:
         """Takes one step's tokens of a sequence; returns the stop string they completed, if any."""

@@ -146,12 +146,19 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted = False
         kv = self.kv
+        max_model_len = self.max_model_len
         i = 0
+        # Runs for every running request every step: locals, and no calls where an expression does.
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(len(request.token_ids) + request.num_placeholders - request.num_computed_tokens, budget)
-            if num_new <= 0 or self._ends_in_flight(request):
-                i += 1  # the step in flight samples its last token: nothing more to run
+            pending = request.num_placeholders
+            known = len(request.token_ids) + pending  # its tokens once the steps in flight come back
+            num_new = min(known - request.num_computed_tokens, budget)
+            if num_new <= 0 or (
+                pending
+                and (known - len(request.prompt_token_ids) >= request.sampling.max_tokens or known >= max_model_len)
+            ):
+                i += 1  # the step in flight samples its last token (its length limit): nothing more to run
                 continue
             start = request.num_computed_tokens
             while not kv.allocate(request, start + num_new, write_from=start):
@@ -202,6 +209,7 @@ class Scheduler:
         described: list[ScheduledRequest] = []
         advanced: list[tuple[Request, int, bool, int]] = []  # what revoke() would put back
         registered: list[int] = []
+        caching = kv.enable_prefix_caching
         forked = False
         # One pass over the step's requests (it runs for every request every step). A fork starts only the leader's
         # parked sequences, none of the step's other requests, so each request's turn sees what it would alone.
@@ -211,7 +219,8 @@ class Scheduler:
             scheduled_request = describe(request, num_new)
             described.append(scheduled_request)
             advanced.append((request, computed, scheduled_request.sampling is not None, num_registered))
-            registered += kv.register(request)
+            if caching:
+                registered += kv.register(request)
             if request.followers and request.num_computed_tokens >= request.num_shared_tokens:
                 self._fork(request)
                 forked = True
@@ -269,14 +278,6 @@ class Scheduler:
             self.running.append(follower)
         leader.followers = []
 
-    def _ends_in_flight(self, request: Request) -> bool:
-        """Whether a token still to come back reaches the request's length limit (async scheduling)."""
-        pending = request.num_placeholders
-        return pending > 0 and (
-            request.num_output_tokens + pending >= request.sampling.max_tokens
-            or len(request.token_ids) + pending >= self.max_model_len
-        )
-
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Appends the sampled tokens (in place of their placeholders) and applies stop conditions."""
         updates = []
@@ -310,15 +311,18 @@ class Scheduler:
         return updates
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        """Whether ``token``, just appended, ends the request (a stop id or EOS past ``min_tokens``, or a length
+        limit). Runs for every row of every step: each length taken once."""
         params = request.sampling
-        n = request.num_output_tokens
+        length = len(request.token_ids)
+        n = length - len(request.prompt_token_ids)  # output tokens
         if n >= params.min_tokens:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if n >= params.max_tokens or len(request.token_ids) >= self.max_model_len:
+        if n >= params.max_tokens or length >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
