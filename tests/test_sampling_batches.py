@@ -298,3 +298,34 @@ def test_gather_logprobs_ranks_the_unique_argmax_first():
     logprobs = torch.tensor([ROW]).log_softmax(dim=-1)
     ids, _, ranks = gather_logprobs(logprobs, torch.tensor([3]), 2)
     assert ids.tolist() == [[3, 3, 8]] and ranks.tolist() == [[1, 1, 2]]
+
+
+def test_a_steps_rows_at_once_answer_as_each_row_does_and_each_sampling_object_is_judged_as_itself():
+    """``RawArgmaxRows`` keeps each request's sampling half of ``takes_raw_argmax`` by object: over steps that mix
+    rows (min_tokens reached or not, controls, logprobs, a copy with another temperature) it answers as the rows
+    one by one do, and a full store starts again rather than answer for an object it did not judge."""
+    from aioengine.messages import ScheduledRequest
+    from aioengine.worker.step_sampling import RawArgmaxRows, takes_raw_argmax
+
+    plain = SamplingParams(**GREEDY)
+    short = SamplingParams(**GREEDY, min_tokens=3)
+    sampled = plain.model_copy(update={"temperature": 0.8})  # a new object: judged as itself, not as ``plain``
+    kinds = [plain, short, sampled, SamplingParams(**GREEDY, logprobs=1), SamplingParams(**GREEDY, logit_bias={3: 1.0})]
+
+    def row(params: SamplingParams | None, output_index: int) -> ScheduledRequest:
+        return ScheduledRequest("r", [7], 10, [0], params, output_index, 0, None, 4)
+
+    rows = RawArgmaxRows(limit=3)
+    steps = [
+        [row(plain, 5)] * 4,
+        [row(plain, 5), row(short, 1)],
+        [row(plain, 5), row(short, 3)],
+        [row(plain, 5), row(sampled, 5)],
+        [row(plain, 5), row(None, 0)],
+        *[[row(plain, 5), row(kind, 5)] for kind in kinds],
+        *[[row(kind, 5)] for kind in reversed(kinds)],
+    ]
+    for reqs in steps:
+        assert rows.all_take_it(reqs) == all(takes_raw_argmax(r) for r in reqs)
+    assert len(rows._judged) <= rows.limit
+    assert rows.all_take_it([row(plain, 5)]) and not rows.all_take_it([row(sampled, 5)])

@@ -31,7 +31,7 @@ from aioengine.worker.cache_engine import CacheEngine
 from aioengine.worker.graphs import PaddedDecodeRunner, default_capture_sizes
 from aioengine.worker.logprobs import asks_logprobs, known_token_logprobs, sampled_logprobs
 from aioengine.worker.step_inputs import StepInputs, fill_placeholders, prepare_inputs
-from aioengine.worker.step_sampling import sampling_metadata, takes_raw_argmax
+from aioengine.worker.step_sampling import RawArgmaxRows, sampling_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class ModelRunner:
         self._pending: _Pending | None = None
         self._last_sampled: dict[str, int] = {}
         """Tokens the last sampling step chose, by request: what ``PLACEHOLDER_TOKEN_ID`` stands for."""
+        self._raw_argmax_rows = RawArgmaxRows()
         self.decode_kernel: Callable[..., None] | None = None
         """The C++ paged decode attention where it applies (``device.cpu_kernels``, CPU, float32)."""
         self.prefill_kernel: Callable[..., None] | None = None
@@ -316,7 +317,7 @@ class ModelRunner:
         assert self.model is not None
         # Rows that all take their raw argmax and ask nothing more need no SamplingMetadata (a decode step's rows
         # paid ~70 us for it); the general path below makes the same choice of such rows, only slower.
-        raw_argmax = pending.hidden is not None and all(takes_raw_argmax(r) for r in reqs)
+        raw_argmax = pending.hidden is not None and self._raw_argmax_rows.all_take_it(reqs)
         meta = None if raw_argmax else self._metadata(pending)
         logprobs = None
         greedy = None
