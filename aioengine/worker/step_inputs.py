@@ -48,20 +48,24 @@ def _table_ints(reqs: Sequence[ScheduledRequest], width: int) -> list[int]:
 def fill_placeholders(sched: SchedulerOutput, last_sampled: dict[str, int]) -> SchedulerOutput:
     """Puts the tokens the previous step sampled (``last_sampled``, by request) in place of their placeholders
     (async scheduling)."""
-    if not any(r.token_ids and r.token_ids[-1] == PLACEHOLDER_TOKEN_ID for r in sched.requests):
-        return sched
-    reqs = []
-    for r in sched.requests:
-        if r.token_ids and r.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+    # One pass (every row of every decode step has one): the rows are copied only from the first placeholder on.
+    requests = sched.requests
+    reqs: list[ScheduledRequest] | None = None
+    for i, r in enumerate(requests):
+        ids = r.token_ids
+        if ids and ids[-1] == PLACEHOLDER_TOKEN_ID:
             token = last_sampled.get(r.req_id)
             if token is None:
                 raise RuntimeError(
                     f"request {r.req_id!r} was scheduled with the token of a step that did not "
                     "sample it (placeholder without a previous sample)"
                 )
-            r = r.with_token_ids([*r.token_ids[:-1], token])
-        reqs.append(r)
-    return dataclasses.replace(sched, requests=reqs)
+            if reqs is None:
+                reqs = requests[:i]
+            r = r.with_token_ids([token] if len(ids) == 1 else [*ids[:-1], token])
+        if reqs is not None:
+            reqs.append(r)
+    return sched if reqs is None else dataclasses.replace(sched, requests=reqs)
 
 
 def prepare_inputs(
