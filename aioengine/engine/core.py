@@ -36,6 +36,8 @@ __all__ = ["ControlSession", "EngineCore", "QuiesceMode"]
 
 logger = logging.getLogger(__name__)
 
+_ABORTED = RequestStatus.FINISHED_ABORTED
+
 
 class EngineCore:
     """Owns the scheduler, the per-request output state and the memory state; drives the executor."""
@@ -313,10 +315,11 @@ class EngineCore:
                 if state is not None:
                     touched[state.request_id] = state
             for state in touched.values():
-                if state.final_only and not state.finished:
+                finished = state.finished
+                if state.final_only and not finished:
                     continue  # one output, once every sequence ended (a score: every continuation rated)
                 state.collector.put(state.output(version))
-                if state.finished:
+                if finished:
                     self._drop(state.request_id)
 
     def _apply_update(self, update: RequestUpdate) -> RequestState | None:
@@ -328,7 +331,7 @@ class EngineCore:
         if (
             state is None
             or state.samples[request.sample_index].request is not request
-            or request.status == RequestStatus.FINISHED_ABORTED
+            or request.status is _ABORTED  # by identity, a module constant: this runs for every row of every step
         ):
             return None  # aborted after this update was made (its stream already ended), or an old id
         hit = state.add(request, update.new_token_ids, update.finished, update.logprobs)
