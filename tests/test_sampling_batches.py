@@ -105,11 +105,11 @@ def test_plain_greedy_rows_take_the_short_way_to_what_the_general_one_makes(monk
 def test_the_runners_short_way_is_taken_only_where_the_metadata_would_be_an_argmax_without_logprobs(
     change: dict, output_index: int
 ) -> None:
-    """The model runner skips ``SamplingMetadata`` where every row takes its raw argmax (``takes_raw_argmax``): it
+    """The model runner skips ``SamplingMetadata`` where every row takes its raw argmax (``RawArgmaxRows``): it
     must say so only of rows whose metadata, packed the long way (``sampling_metadata``), is ``argmax_only``
     and asks no logprobs."""
     from aioengine.messages import ScheduledRequest
-    from aioengine.worker.step_sampling import sampling_metadata, takes_raw_argmax
+    from aioengine.worker.step_sampling import RawArgmaxRows, sampling_metadata
 
     params = SamplingParams(**{**GREEDY, **change})
     req = ScheduledRequest("r", [7], 10, [0], params, output_index, 0, [1] * 10 if params.uses_history else None, 4)
@@ -117,7 +117,7 @@ def test_the_runners_short_way_is_taken_only_where_the_metadata_would_be_an_argm
     long_way = meta.argmax_only and params.logprobs is None
     # Both ways agree, save where min_tokens bans nothing the row could pick (no stop id, EOS ignored): the
     # short way then declines a row the long way would take, and the long way answers it as before.
-    short_way = takes_raw_argmax(req)
+    short_way = RawArgmaxRows().all_take_it([req])
     assert short_way == long_way or (not short_way and long_way and output_index < params.min_tokens)
 
 
@@ -301,11 +301,12 @@ def test_gather_logprobs_ranks_the_unique_argmax_first():
 
 
 def test_a_steps_rows_at_once_answer_as_each_row_does_and_each_sampling_object_is_judged_as_itself():
-    """``RawArgmaxRows`` keeps each request's sampling half of ``takes_raw_argmax`` by object: over steps that mix
+    """``RawArgmaxRows`` keeps the half of its answer a request's sampling decides, by object: over steps that mix
     rows (min_tokens reached or not, controls, logprobs, a copy with another temperature) it answers as the rows
-    one by one do, and a full store starts again rather than answer for an object it did not judge."""
+    one by one do, each judged anew, and a full store starts again rather than answer for an object it did not
+    judge."""
     from aioengine.messages import ScheduledRequest
-    from aioengine.worker.step_sampling import RawArgmaxRows, takes_raw_argmax
+    from aioengine.worker.step_sampling import RawArgmaxRows
 
     plain = SamplingParams(**GREEDY)
     short = SamplingParams(**GREEDY, min_tokens=3)
@@ -326,6 +327,6 @@ def test_a_steps_rows_at_once_answer_as_each_row_does_and_each_sampling_object_i
         *[[row(kind, 5)] for kind in reversed(kinds)],
     ]
     for reqs in steps:
-        assert rows.all_take_it(reqs) == all(takes_raw_argmax(r) for r in reqs)
+        assert rows.all_take_it(reqs) == all(RawArgmaxRows().all_take_it([r]) for r in reqs)
     assert len(rows._judged) <= rows.limit
     assert rows.all_take_it([row(plain, 5)]) and not rows.all_take_it([row(sampled, 5)])

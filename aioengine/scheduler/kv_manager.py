@@ -91,11 +91,10 @@ class KVBlockManager:
         holding position ``write_from`` if it shares that block (it is about to write there). False, and
         no change, if the blocks needed are not free."""
         blocks = request.block_ids
-        size = self.block_size
-        need = max(-(-num_tokens // size) - len(blocks), 0)  # blocks_for, inline: every running request, every step
+        need = max(self.blocks_for(num_tokens) - len(blocks), 0)
         shared = None
         if write_from is not None:
-            index = write_from // size
+            index = write_from // self.block_size
             if index < len(blocks) and self._refs[blocks[index]] > 1:
                 shared = index
         if not need and shared is None:

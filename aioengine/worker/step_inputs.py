@@ -62,7 +62,7 @@ def fill_placeholders(sched: SchedulerOutput, last_sampled: dict[str, int]) -> S
                 )
             if reqs is None:
                 reqs = requests[:i]
-            r = r.with_token_ids([token] if len(ids) == 1 else [*ids[:-1], token])
+            r = r.with_token_ids([*ids[:-1], token])
         if reqs is not None:
             reqs.append(r)
     return sched if reqs is None else dataclasses.replace(sched, requests=reqs)

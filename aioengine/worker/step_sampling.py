@@ -1,6 +1,6 @@
 """What a step's sampling rows ask of the sampler: the ids a row may not pick yet (``banned_before_min_tokens``),
-whether a row takes its raw argmax and nothing else (``takes_raw_argmax``; a step's rows at once: ``RawArgmaxRows``),
-and the rows packed as ``SamplingMetadata`` (``sampling_metadata``). The model runner reads them; the two checks live
+whether a step's rows take their raw argmax and nothing else (``RawArgmaxRows``), and the rows packed as
+``SamplingMetadata`` (``sampling_metadata``). The model runner reads them; the two checks live
 side by side because the short one must never take a row the packed metadata would not make an argmax.
 """
 
@@ -28,25 +28,14 @@ def banned_before_min_tokens(req: ScheduledRequest, eos_token_ids: Sequence[int]
     return [t for t in banned if t < vocab_size] or None
 
 
-def _raw_argmax_params(params: SamplingParams) -> bool:
-    """The half of ``takes_raw_argmax`` its sampling alone decides: plain greedy, no logprobs."""
-    return plain_greedy(params) and params.logprobs is None
-
-
-def takes_raw_argmax(req: ScheduledRequest) -> bool:
-    """Whether the row takes the argmax of its raw logits and asks for nothing else: plain greedy
-    (``plain_greedy``), no logprobs, and past ``min_tokens`` (so ``banned_before_min_tokens`` bans nothing)."""
-    params = req.sampling
-    return params is not None and _raw_argmax_params(params) and not _short_of_min_tokens(req, params)
-
-
 class RawArgmaxRows:
-    """``all(takes_raw_argmax(r) for r in reqs)`` for every step's rows, each request's sampling judged once.
+    """Whether every row of a step takes the argmax of its raw logits and asks for nothing else: plain greedy
+    (``plain_greedy``), no logprobs, and past ``min_tokens`` (so ``banned_before_min_tokens`` bans nothing).
 
-    A request keeps one frozen ``SamplingParams`` for its life, so the half of the answer its sampling decides
-    (``_raw_argmax_params``) is kept by object and only ``min_tokens`` is read each step (64 rows: ~1 us a row
-    the long way). Entries hold their object, so an id is never read for another; the whole store is dropped
-    when it reaches ``limit`` entries."""
+    A request keeps one frozen ``SamplingParams`` for its life, so the half of the answer its sampling decides is
+    kept by object and only ``min_tokens`` is read each step (64 rows: ~1 us a row judged anew). Entries hold
+    their object, so an id is never read for another; the whole store is dropped when it reaches ``limit``
+    entries."""
 
     def __init__(self, limit: int = 4096) -> None:
         self.limit = limit
@@ -62,8 +51,8 @@ class RawArgmaxRows:
             if entry is None or entry[0] is not params:
                 if len(judged) >= self.limit:
                     judged.clear()
-                entry = judged[id(params)] = (params, _raw_argmax_params(params))
-            if not entry[1] or req.output_index < params.min_tokens:  # _short_of_min_tokens, inline
+                entry = judged[id(params)] = (params, plain_greedy(params) and params.logprobs is None)
+            if not entry[1] or _short_of_min_tokens(req, params):
                 return False
         return True
 
