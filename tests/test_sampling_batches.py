@@ -328,5 +328,5 @@ def test_a_steps_rows_at_once_answer_as_each_row_does_and_each_sampling_object_i
     ]
     for reqs in steps:
         assert rows.all_take_it(reqs) == all(RawArgmaxRows().all_take_it([r]) for r in reqs)
-    assert len(rows._judged) <= rows.limit
+    assert len(rows.takes_it._judged) <= rows.takes_it.limit
     assert rows.all_take_it([row(plain, 5)]) and not rows.all_take_it([row(sampled, 5)])

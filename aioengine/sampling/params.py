@@ -302,3 +302,30 @@ class SamplingParams(BaseModel):
         ids += self.allowed_token_ids or []
         ids += [t for seq in self.bad_words_token_ids for t in seq]
         return ids
+
+
+def plain_greedy(p: SamplingParams) -> bool:
+    """Whether a row takes the argmax of its raw logits: greedy, and no logit control (allowed tokens, logit bias,
+    penalties or bad words) changes them."""
+    return p.is_greedy and p.allowed_token_ids is None and not p.logit_bias and not p.uses_history
+
+
+class RawArgmaxParams:
+    """Which ``SamplingParams`` take the argmax of their raw logits and ask for nothing more: ``plain_greedy`` and no
+    logprobs (``min_tokens``, which depends on the row, is the caller's to check).
+
+    A request keeps one frozen ``SamplingParams`` for its life, so the answer is kept by object: judged anew it costs
+    ~1 us, and a step asks it for every row. Entries hold their object, so an id is never read for another; the
+    whole store is dropped when it reaches ``limit`` entries."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._judged: dict[int, tuple[SamplingParams, bool]] = {}
+
+    def __call__(self, params: SamplingParams) -> bool:
+        entry = self._judged.get(id(params))
+        if entry is None or entry[0] is not params:
+            if len(self._judged) >= self.limit:
+                self._judged.clear()
+            entry = self._judged[id(params)] = (params, plain_greedy(params) and params.logprobs is None)
+        return entry[1]

@@ -20,7 +20,7 @@ from aioengine.sampling.logit_controls import (
     build_logit_bias,
     build_penalties,
 )
-from aioengine.sampling.params import SamplingParams
+from aioengine.sampling.params import SamplingParams, plain_greedy
 
 _MASK64 = (1 << 64) - 1
 _T = TypeVar("_T")
@@ -147,12 +147,6 @@ class SamplingMetadata:
             penalties=build_penalties(params, histories, vocab_size, device),
             return_processed=processed,
         )
-
-
-def plain_greedy(p: SamplingParams) -> bool:
-    """Whether a row takes the argmax of its raw logits: greedy, and no logit control (allowed tokens, logit bias,
-    penalties or bad words) changes them."""
-    return p.is_greedy and p.allowed_token_ids is None and not p.logit_bias and not p.uses_history
 
 
 def _per_row(name: str, values: Sequence[_T] | None, rows: int, default: _T) -> Sequence[_T]:

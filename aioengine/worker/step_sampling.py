@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from aioengine.messages import ScheduledRequest
-from aioengine.sampling.params import SamplingParams
-from aioengine.sampling.sampler import SamplingMetadata, plain_greedy
+from aioengine.sampling.params import RawArgmaxParams, SamplingParams
+from aioengine.sampling.sampler import SamplingMetadata
 
 
 def _short_of_min_tokens(req: ScheduledRequest, params: SamplingParams) -> bool:
@@ -29,30 +29,18 @@ def banned_before_min_tokens(req: ScheduledRequest, eos_token_ids: Sequence[int]
 
 
 class RawArgmaxRows:
-    """Whether every row of a step takes the argmax of its raw logits and asks for nothing else: plain greedy
-    (``plain_greedy``), no logprobs, and past ``min_tokens`` (so ``banned_before_min_tokens`` bans nothing).
-
-    A request keeps one frozen ``SamplingParams`` for its life, so the half of the answer its sampling decides is
-    kept by object and only ``min_tokens`` is read each step (64 rows: ~1 us a row judged anew). Entries hold
-    their object, so an id is never read for another; the whole store is dropped when it reaches ``limit``
-    entries."""
+    """Whether every row of a step takes the argmax of its raw logits and asks for nothing else: its sampling does
+    (``RawArgmaxParams``: plain greedy, no logprobs, judged once per ``SamplingParams`` object), and it is past
+    ``min_tokens`` (so ``banned_before_min_tokens`` bans nothing)."""
 
     def __init__(self, limit: int = 4096) -> None:
-        self.limit = limit
-        self._judged: dict[int, tuple[SamplingParams, bool]] = {}
+        self.takes_it = RawArgmaxParams(limit)
 
     def all_take_it(self, reqs: Sequence[ScheduledRequest]) -> bool:
-        judged = self._judged
+        takes_it = self.takes_it
         for req in reqs:
             params = req.sampling
-            if params is None:
-                return False
-            entry = judged.get(id(params))
-            if entry is None or entry[0] is not params:
-                if len(judged) >= self.limit:
-                    judged.clear()
-                entry = judged[id(params)] = (params, plain_greedy(params) and params.logprobs is None)
-            if not entry[1] or _short_of_min_tokens(req, params):
+            if params is None or not takes_it(params) or _short_of_min_tokens(req, params):
                 return False
         return True
 
