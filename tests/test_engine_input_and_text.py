@@ -201,3 +201,18 @@ def test_incremental_text_equals_decoding_all_ids_at_once(tokenizer, clean_up):
     streamed = "".join(detok.add([t], finished=i == len(ids) - 1)[0] for i, t in enumerate(ids))
     assert (detok._backend is None) == clean_up
     assert streamed == detok.text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_ids_added_several_at_a_time_give_the_text_one_at_a_time_gives(tokenizer):
+    # A decode window's sequence gets its tokens several at a time. A group that ends in part of a character must
+    # still give the text of its ids before that part, as one id at a time does, also when it is the last group.
+    probe = IncrementalDetokenizer(tokenizer, [], False, True)
+    clean = [t for t in range(3, 500) if probe._decode([t]).isprintable() and probe._decode([t]).strip()]
+    broken = next(t for t in range(3, len(tokenizer)) if probe._decode([t]).endswith("\ufffd"))
+    ids = [*clean[:9], broken]
+    one = IncrementalDetokenizer(tokenizer, [], False, True)
+    singly = "".join(one.add([t], finished=i == len(ids) - 1)[0] for i, t in enumerate(ids))
+    several = IncrementalDetokenizer(tokenizer, [], False, True)
+    groups = [ids[:3], ids[3:6], ids[6:]]  # the last ends in the broken part
+    grouped = "".join(several.add(g, finished=i == len(groups) - 1)[0] for i, g in enumerate(groups))
+    assert grouped == singly == several.text == one.text == probe._decode(clean[:9])

@@ -162,18 +162,25 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int], finished: bool) -> tuple[str, str | None]:
         """Feeds new ids; returns (delta text to stream now, the stop string hit or None)."""
-        self.ids.extend(t for t in token_ids if 0 <= t < self.vocab_limit)
-        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self.ids[self._prefix_offset :])
         searched_from = len(self.text)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix) :]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        for token in token_ids:  # one at a time: several at once would hold back the text of all of them
+            if 0 <= token < self.vocab_limit:  # while the last one ends in part of a character
+                self.ids.append(token)
+                self._read_new()
         hit = self._find_stop(searched_from)
         end = len(self.text) if (finished or hit) else len(self.text) - self._held_back()
         delta = self.text[self.sent : max(end, self.sent)]
         self.sent = max(end, self.sent)
         return delta, hit
+
+    def _read_new(self) -> None:
+        """Adds the text of the ids since the last read, unless it ends in a broken character (then the next id
+        may complete it)."""
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
 
     def _find_stop(self, searched_from: int) -> str | None:
         if not self.stop:
