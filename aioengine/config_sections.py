@@ -157,6 +157,25 @@ class SchedulerConfig(_Section):
             "stop token still runs one step more (its token is dropped); on a stop string, up to two."
         ),
     )
+    decode_steps: int = Field(
+        4,
+        ge=1,
+        description=(
+            "Most decode steps the workers run back to back as one step (a decode window) while every running "
+            "sequence decodes plain greedy (no logprobs, past min_tokens) and no request waits: the step loop's own "
+            "cost per step is then paid once per window. 1: every step is one forward. A sequence that ends inside "
+            "a window (EOS, a stop) has its later tokens dropped."
+        ),
+    )
+    decode_window_s: float = Field(
+        0.02,
+        ge=0,
+        description=(
+            "A decode window runs no more steps than fit in this many seconds at the speed of the last all-decode "
+            "step: it bounds what windows add to a new request's first token and to a stream's gaps. Models whose "
+            "decode step takes longer than this never run windows (their step loop's cost is small beside it)."
+        ),
+    )
     preemption_mode: PreemptionMode = Field(
         "recompute",
         description=(

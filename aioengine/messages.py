@@ -102,6 +102,11 @@ class ScheduledRequest:
     num_prompt_tokens: int = 0
     """How many tokens of the sequence are prompt (the rest output); sent with ``history``."""
     prompt_logprobs: PromptLogprobsSpec | None = None
+    num_steps: int = 1
+    """Decode steps the row runs in this step's window (``SchedulerOutput.num_steps``): from its one token at
+    ``start_pos``, each step after the first computes the token the one before sampled, at the next position
+    (``block_ids`` cover them all). More than 1 only for a row that samples its raw argmax and asks for nothing
+    else."""
 
     @property
     def sample(self) -> bool:
@@ -123,6 +128,7 @@ class ScheduledRequest:
             self.history,
             self.num_prompt_tokens,
             self.prompt_logprobs,
+            self.num_steps,
         )
 
 
@@ -141,6 +147,9 @@ class SchedulerOutput:
     blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
     """Copy-on-write: source block -> blocks that get its contents before the forward (a sample of ``n``
     writing into the prompt's shared last block)."""
+    num_steps: int = 1
+    """A decode window: the most ``ScheduledRequest.num_steps`` of its rows. The worker runs the window's steps
+    back to back and answers them in one ``ModelRunnerOutput`` (``worker.step_window``); 1 for every other step."""
 
     @property
     def num_tokens(self) -> int:
@@ -153,7 +162,8 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """The tokens sampled in one step, one per request that sampled."""
+    """The tokens sampled in one step, one per request that sampled; in a decode window one per request and step of
+    the window, each request's tokens together and in order."""
 
     step_id: int
     req_ids: list[str]

@@ -7,7 +7,8 @@
    speed comes in spells, and a replay taken later, in another spell, tells the spells apart, not the engine's
    share (one replay after five runs of the tiny model put its efficiency at 0.78; each run's own, at 0.88-0.95).
 2. GEMMs only: every Linear of the engine's model run alone, as the engine runs it (lm_head at the
-   step's sample count, the others at its token count), for the same steps, on the same thread.
+   step's sample count, the others at its token count), for the same steps (each step of a decode window), on the
+   same thread.
 
 The replay rewrites KV blocks the finished requests no longer own, with the same values.
 """
@@ -30,6 +31,15 @@ from benchmarks.results import Floors
 
 def _is_prefill(step: SchedulerOutput) -> bool:
     return any(len(r.token_ids) > 1 or not r.sample for r in step.requests)
+
+
+def _forwards(step: SchedulerOutput) -> list[tuple[int, int]]:
+    """(tokens, samples) of each forward ``step`` runs: one, or one per step of a decode window (each row of a
+    window one token and one sample a step, for its own ``num_steps``)."""
+    if step.num_steps == 1:
+        return [(step.num_tokens, sum(1 for r in step.requests if r.sample))]
+    rows = [sum(1 for r in step.requests if r.num_steps > i) for i in range(step.num_steps)]
+    return [(n, n) for n in rows]
 
 
 def replay_steps(worker: Any, steps: list[SchedulerOutput]) -> list[float]:
@@ -92,12 +102,13 @@ async def measure_floors(engine: AsyncEngine, steps: list[SchedulerOutput], repl
     ``replay_run`` took for them right after their run. The GEMM floor is measured here; the engine must be idle."""
     if not steps:
         return None
-    shapes = [(s.num_tokens, sum(1 for r in s.requests if r.sample)) for s in steps]
+    shapes = [shape for s in steps for shape in _forwards(s)]
     with CpuLoad() as load:
         gemm = await engine.collective_rpc(gemm_steps, (shapes,), unique_reply_rank=0)
     prefill = [i for i, s in enumerate(steps) if _is_prefill(s)]
     return Floors(
         num_steps=len(steps),
+        num_forwards=len(shapes),
         num_prefill_steps=len(prefill),
         replay_seconds=sum(replay),
         replay_prefill_seconds=sum(replay[i] for i in prefill),

@@ -136,7 +136,10 @@ def time_table(run: EngineRun, floors: Floors | None) -> list[str]:
         rows.append(["replay and GEMM floors", "-", "not measured: no steps recorded"])
     else:
         decode_steps = floors.num_steps - floors.num_prefill_steps
-        replayed = f"**replay floor** (the same {floors.num_steps} steps on the worker, right after)"
+        replayed = (
+            f"**replay floor** (the same {floors.num_steps} steps, {floors.num_forwards} forwards, on the worker, "
+            "right after)"
+        )
         efficiency = row(replayed, floors.replay_seconds)
         efficiency[2] = f"**{efficiency[2]}** = engine efficiency"
         rows += [

@@ -41,6 +41,8 @@ class Floors:
     """The engine's own work, replayed on the worker for the steps the offline run executed."""
 
     num_steps: int
+    num_forwards: int
+    """The steps' forwards: a decode window runs one per step of it."""
     num_prefill_steps: int
     """Steps with at least one prompt chunk (the rest are decode-only)."""
     replay_seconds: float

@@ -165,7 +165,9 @@ def slow_forward(worker: Any, seconds: float) -> None:
 async def test_event_loop_keeps_running_while_the_model_computes(llama_ckpt):
     # Each forward takes SLOW_FORWARD = 20 ticks. Computed on the worker thread, the loop ticks on
     # meanwhile; computed on the loop thread, a forward would let the ticker wake at most once.
-    async with AsyncEngine(engine_config(llama_ckpt, scheduler={"async_scheduling": False})) as engine:
+    # One forward a step (no decode windows): the engine's steps count the forwards.
+    scheduler = {"async_scheduling": False, "decode_steps": 1}
+    async with AsyncEngine(engine_config(llama_ckpt, scheduler=scheduler)) as engine:
         await engine.collective_rpc(slow_forward, args=(SLOW_FORWARD,))
         ticks = 0
 

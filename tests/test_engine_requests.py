@@ -14,6 +14,7 @@ import pytest
 
 from aioengine import AsyncEngine, RequestOutput, SamplingParams
 from aioengine.errors import InvalidRequestError
+from tests.conftest import engine_config
 from tests.engine_request_support import LONG, PROMPT, SEEDED, assert_deltas_build_the_text, decoded, greedy
 from tests.helpers import TIMEOUT, final, stream, wait_until, wait_until_idle
 
@@ -94,13 +95,16 @@ def stop_string_across_a_delta_boundary(outputs: list[RequestOutput]) -> str:
 
 
 @pytest.fixture
-async def stop_case(llama_engine, tokenizer) -> AsyncIterator[tuple[AsyncEngine, RequestOutput, str, int]]:
-    """(engine, the greedy run without stop, a stop string from its middle, tokens until it shows)."""
-    reference = await stream(llama_engine, PROMPT, greedy(24, ignore_eos=True))
-    stop = stop_string_across_a_delta_boundary(reference)
-    ids = reference[-1].token_ids
-    needed = next(m for m in range(1, len(ids) + 1) if stop in decoded(tokenizer, ids[:m]))
-    yield llama_engine, reference[-1], stop, needed
+async def stop_case(llama_ckpt, tokenizer) -> AsyncIterator[tuple[AsyncEngine, RequestOutput, str, int]]:
+    """(engine, the greedy run without stop, a stop string from its middle, tokens until it shows). The engine runs
+    one step at a time (no decode windows), so the run without stop streams a delta per token, as a request with
+    stop strings, which never runs in a window, streams them."""
+    async with AsyncEngine(engine_config(llama_ckpt, scheduler={"decode_steps": 1})) as engine:
+        reference = await stream(engine, PROMPT, greedy(24, ignore_eos=True))
+        stop = stop_string_across_a_delta_boundary(reference)
+        ids = reference[-1].token_ids
+        needed = next(m for m in range(1, len(ids) + 1) if stop in decoded(tokenizer, ids[:m]))
+        yield engine, reference[-1], stop, needed
 
 
 async def test_stop_string_ends_the_request_with_reason_stop(stop_case):

@@ -46,7 +46,7 @@ def test_padded_decode_inputs_hold_each_request_s_token_position_slot_and_blocks
 
 def test_with_token_ids_keeps_every_other_field() -> None:
     # Every field set off its default, so a field the method forgets shows as a difference.
-    r = ScheduledRequest("r", [1, 2], 9, [4, 5], GREEDY, 3, 1, [7, 8], 2, PromptLogprobsSpec(1, 10, [2]))
+    r = ScheduledRequest("r", [1, 2], 9, [4, 5], GREEDY, 3, 1, [7, 8], 2, PromptLogprobsSpec(1, 10, [2]), 4)
     assert {f.name for f in dataclasses.fields(r)} - {"token_ids"} == {
         f.name for f in dataclasses.fields(r) if getattr(r, f.name) != f.default and f.name != "token_ids"
     }

@@ -135,6 +135,8 @@ class AsyncEngine(ControlAPI):
             enable_prefix_caching=cfg.cache.enable_prefix_caching,
             preemption_mode=sched.preemption_mode,
             num_host_blocks=num_host_blocks,
+            decode_steps=sched.decode_steps,
+            decode_window_s=sched.decode_window_s,
         )
         self.core = EngineCore(scheduler, executor, self.tokenizer, async_scheduling=sched.async_scheduling)
         self._control = EngineControl(self.core, executor)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aioengine.messages import ModelRunnerOutput, SchedulerOutput
+from aioengine.worker.step_window import run_window
 
 if TYPE_CHECKING:
     from aioengine.worker.base import WorkerBase
@@ -25,9 +26,14 @@ T = TypeVar("T")
 
 
 def execute_and_sample(worker: WorkerBase, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-    """``execute_model`` then, when it leaves rows to sample, ``sample_tokens`` (module level: picklable)."""
-    output = worker.execute_model(scheduler_output)
-    return output if output is not None else worker.sample_tokens()
+    """``execute_model`` then, when it leaves rows to sample, ``sample_tokens``; each step of a decode window so
+    (``run_window``). Module level: picklable."""
+
+    def one_step(step: SchedulerOutput) -> ModelRunnerOutput:
+        output = worker.execute_model(step)
+        return output if output is not None else worker.sample_tokens()
+
+    return one_step(scheduler_output) if scheduler_output.num_steps == 1 else run_window(scheduler_output, one_step)
 
 
 def bridge(future: concurrent.futures.Future[T]) -> asyncio.Future[T]:

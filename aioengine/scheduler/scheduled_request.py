@@ -6,8 +6,10 @@ from aioengine.messages import PLACEHOLDER_TOKEN_ID, PromptLogprobsSpec, Schedul
 from aioengine.scheduler.request import Request
 
 
-def describe(request: Request, num_new: int) -> ScheduledRequest:
-    """The step's share of ``request``; advances its computed tokens (and placeholders, if it samples)."""
+def describe(request: Request, num_new: int, num_steps: int = 1) -> ScheduledRequest:
+    """The step's share of ``request``; advances its computed tokens (and placeholders, if it samples). A decode
+    row of a window (``num_steps`` > 1) computes its one token and the ``num_steps - 1`` it samples before the last,
+    and samples ``num_steps`` tokens."""
     # Runs for every request every step: locals and positional arguments, no properties.
     start = request.num_computed_tokens
     end = start + num_new
@@ -30,9 +32,10 @@ def describe(request: Request, num_new: int) -> ScheduledRequest:
         tokens[:start] if samples and params.uses_history else None,
         num_prompt,
         None if request.prompt_logprobs_from is None else prompt_logprobs_spec(request, start, end),
+        num_steps,
     )
-    request.num_computed_tokens = end
-    request.num_placeholders = placeholders + samples
+    request.num_computed_tokens = end + num_steps - 1
+    request.num_placeholders = placeholders + samples * num_steps
     return scheduled
 
 

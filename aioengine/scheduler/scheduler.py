@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from aioengine.config import PreemptionMode
 from aioengine.messages import LogprobRows, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from aioengine.scheduler.decode_window import DecodeWindows
 from aioengine.scheduler.host_pool import HostSwapPool
 from aioengine.scheduler.kv_manager import KVBlockManager
 from aioengine.scheduler.request import Request, RequestStatus
@@ -44,9 +45,9 @@ class _Revocable:
     """What the newest step changed, kept while it can be revoked before it runs (``Scheduler.revoke``)."""
 
     step_id: int
-    advanced: list[tuple[Request, int, bool, int]]
-    """Each request it runs: its computed tokens before, whether the step samples for it, and its
-    registered blocks before."""
+    advanced: list[tuple[Request, int, int, int]]
+    """Each request it runs: its computed tokens before, the tokens the step samples for it, and its registered
+    blocks before."""
     registered: list[int]
     """The blocks it entered in the prefix cache."""
 
@@ -66,6 +67,8 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         preemption_mode: PreemptionMode = "recompute",
         num_host_blocks: int = 0,
+        decode_steps: int = 1,
+        decode_window_s: float = 0.0,
     ) -> None:
         self.kv = KVBlockManager(num_cache_blocks, block_size, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
@@ -91,6 +94,7 @@ class Scheduler:
         """The newest step, while revoking it needs nothing but its own record undone."""
         self.num_revoked = 0
         """Steps revoked before they ran (a control call stopped the loop while they were queued)."""
+        self.windows = DecodeWindows(decode_steps, decode_window_s)
 
     # ---- queue ---------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -143,10 +147,11 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, int]] = []  # (request, tokens it computes, steps it runs)
         preempted = False
         kv = self.kv
         max_model_len = self.max_model_len
+        window = self.windows.size(self.running, bool(self.waiting))  # 0: not all plain decodes
         i = 0
         # Runs for every running request every step: locals, and no calls where an expression does.
         while i < len(self.running) and budget > 0:
@@ -161,6 +166,20 @@ class Scheduler:
                 i += 1  # the step in flight samples its last token (its length limit): nothing more to run
                 continue
             start = request.num_computed_tokens
+            steps = 1
+            if window > 1:  # as many as its length limits leave
+                steps = min(window, request.sampling.max_tokens - known + len(request.prompt_token_ids))
+                steps = min(steps, max_model_len - known)
+                # Its blocks ahead only while a block is left for each request after it: a window never preempts.
+                # Short of them, the step runs single: every row but one that ends inside a window runs all of it
+                # (the worker's placeholders stand for the tokens of the window's last step).
+                extra = kv.blocks_for(start + steps) - len(request.block_ids)
+                if steps > 1 and (
+                    (extra > 0 and kv.num_free_blocks - extra < len(self.running) - i - 1)
+                    or not kv.allocate(request, start + steps, write_from=start)
+                ):
+                    window = steps = 1
+                    scheduled = [(r, n, 1) for r, n, _ in scheduled]
             while not kv.allocate(request, start + num_new, write_from=start):
                 victim = self.running.pop()
                 self._preempt(victim, swap=self.preemption_mode == "swap")
@@ -168,7 +187,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append((request, num_new))
+                scheduled.append((request, num_new, steps))
                 budget -= num_new
                 i += 1
                 continue
@@ -201,24 +220,27 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             seats += 1 + len(request.followers)
-            scheduled.append((request, num_new))
+            scheduled.append((request, num_new, 1))
             budget -= num_new
 
         step_id = next(self._step_ids)
         ran: dict[str, tuple[Request, int]] = {}
         described: list[ScheduledRequest] = []
-        advanced: list[tuple[Request, int, bool, int]] = []  # what revoke() would put back
+        advanced: list[tuple[Request, int, int, int]] = []  # what revoke() would put back
         registered: list[int] = []
         caching = kv.enable_prefix_caching
         forked = False
+        most_steps = 1
         # One pass over the step's requests (it runs for every request every step). A fork starts only the leader's
         # parked sequences, none of the step's other requests, so each request's turn sees what it would alone.
-        for request, num_new in scheduled:
+        for request, num_new, steps in scheduled:
             ran[request.req_id] = (request, request.num_preemptions)
             computed, num_registered = request.num_computed_tokens, request.num_registered_blocks
-            scheduled_request = describe(request, num_new)
+            scheduled_request = describe(request, num_new, steps)
             described.append(scheduled_request)
-            advanced.append((request, computed, scheduled_request.sampling is not None, num_registered))
+            advanced.append((request, computed, steps if scheduled_request.sampling is not None else 0, num_registered))
+            if steps > most_steps:
+                most_steps = steps
             if caching:
                 registered += kv.register(request)
             if request.followers and request.num_computed_tokens >= request.num_shared_tokens:
@@ -233,7 +255,10 @@ class Scheduler:
             blocks_to_swap_in=swap_in,
             blocks_to_swap_out=swap_out,
             blocks_to_copy=kv.take_copies(),
+            num_steps=most_steps,
         )
+        if window and len(scheduled) == len(self.running):  # all decodes, whatever the budget left of the window
+            self.windows.sent(step_id, most_steps)
         # Revocable: a step that only moves running requests on. Admissions, forks, preemptions, swaps and
         # copies change more than the requests' own counters (and copies and swaps must reach the cache).
         simple = continuing == len(scheduled) and not (preempted or forked or swap_in or swap_out)
@@ -257,6 +282,7 @@ class Scheduler:
             raise ValueError(f"step {step_id} cannot be revoked (not the newest, or it changed more than its requests)")
         self._revocable = None
         self._scheduled.pop(step_id, None)
+        self.windows.forget(step_id)
         self.kv.unregister(record.registered)
         for request, computed, sampled, registered in record.advanced:
             if request.status != RequestStatus.RUNNING or self.requests.get(request.req_id) is not request:
@@ -280,7 +306,7 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Appends the sampled tokens (in place of their placeholders) and applies stop conditions."""
-        updates = []
+        updates: list[RequestUpdate] = []
         ran = {
             req_id: request
             for req_id, (request, preemptions) in self._scheduled.pop(sched.step_id, {}).items()
@@ -291,6 +317,7 @@ class Scheduler:
             if request is not None:
                 for i, token_ids in enumerate(rows.token_ids):  # a recomputed position keeps its first row
                     request.prompt_logprobs.setdefault(rows.first_pos + i, (token_ids, rows.logprobs[i], rows.ranks[i]))
+        self.windows.ran(sched.step_id, output.forward_seconds)
         logprobs = output.logprobs
         running = RequestStatus.RUNNING
         # Runs for every row of every step: locals, and the status compared by identity.
@@ -305,6 +332,10 @@ class Scheduler:
                 self.running.remove(request)
                 request.status = status
                 self._release(request)
+            if updates and updates[-1].request is request:  # a window's next token of the sequence
+                updates[-1].new_token_ids.append(token)
+                updates[-1].finished = status is not None
+                continue
             updates.append(
                 RequestUpdate(request, [token], status is not None, None if logprobs is None else logprobs.get(req_id))
             )

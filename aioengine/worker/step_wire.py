@@ -70,6 +70,7 @@ class RequestStep(NamedTuple):
     history: Change | None
     num_prompt_tokens: int
     prompt_logprobs: PromptLogprobsSpec | None
+    num_steps: int
 
 
 class StepMessage(NamedTuple):
@@ -83,6 +84,7 @@ class StepMessage(NamedTuple):
     blocks_to_swap_in: dict[int, int]
     blocks_to_swap_out: dict[int, int]
     blocks_to_copy: dict[int, list[int]]
+    num_steps: int
 
 
 @dataclass(slots=True)
@@ -161,6 +163,7 @@ class StepEncoder:
                     history,
                     r.num_prompt_tokens,
                     r.prompt_logprobs,
+                    r.num_steps,
                 )
             )
             after[r.req_id] = _Sent(
@@ -178,6 +181,7 @@ class StepEncoder:
             output.blocks_to_swap_in,
             output.blocks_to_swap_out,
             output.blocks_to_copy,
+            output.num_steps,
         )
         return EncodedStep(message, _State(number, output.step_id, after))
 
@@ -229,6 +233,7 @@ class StepDecoder:
                     history=None if r.history is None else list(sent.history),
                     num_prompt_tokens=r.num_prompt_tokens,
                     prompt_logprobs=r.prompt_logprobs,
+                    num_steps=r.num_steps,
                 )
             )
             after[r.req_id] = sent
@@ -240,4 +245,5 @@ class StepDecoder:
             blocks_to_swap_in=message.blocks_to_swap_in,
             blocks_to_swap_out=message.blocks_to_swap_out,
             blocks_to_copy=message.blocks_to_copy,
+            num_steps=message.num_steps,
         )

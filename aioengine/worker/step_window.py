@@ -1,0 +1,59 @@
+"""A decode window on the worker: the steps of a ``SchedulerOutput`` with ``num_steps`` > 1, run back to back, and
+their outputs as the one ``ModelRunnerOutput`` the scheduler takes.
+
+Each step after the first is the step before moved on by one position: every row still within its
+``ScheduledRequest.num_steps`` computes the token the step before sampled for it (a placeholder, which the model
+runner fills as it fills the placeholders of async scheduling). Each step goes through the worker's own
+``execute_model`` and ``sample_tokens``, so a worker extension sees every one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aioengine.messages import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+def run_window(sched: SchedulerOutput, run_step: Callable[[SchedulerOutput], ModelRunnerOutput]) -> ModelRunnerOutput:
+    """Runs ``sched``'s window through ``run_step`` (one step: forward, then sampling); returns each row's tokens
+    together, in the window's order of rows and steps."""
+    tokens: dict[str, list[int]] = {}
+    seconds = 0.0
+    step, reqs = sched, sched.requests
+    for i in range(sched.num_steps):
+        if i:
+            reqs = [_next(r) for r in reqs if r.num_steps > i]
+            step = SchedulerOutput(sched.step_id, reqs)
+        output = run_step(step)
+        if output.logprobs or output.prompt_logprobs:
+            raise RuntimeError("a decode window's rows ask for no logprobs; the scheduler sent a row that does")
+        seconds += output.forward_seconds
+        for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
+            row = tokens.get(req_id)
+            if row is None:
+                tokens[req_id] = [token]
+            else:
+                row.append(token)
+    req_ids: list[str] = []
+    sampled: list[int] = []
+    for req_id, row in tokens.items():
+        req_ids += [req_id] * len(row)
+        sampled += row
+    return ModelRunnerOutput(sched.step_id, req_ids, sampled, seconds, weights_version=output.weights_version)
+
+
+def _next(r: ScheduledRequest) -> ScheduledRequest:
+    """``r`` one step on: the token its last step sampled, at the next position."""
+    return ScheduledRequest(
+        r.req_id,
+        [PLACEHOLDER_TOKEN_ID],
+        r.start_pos + len(r.token_ids),
+        r.block_ids,
+        r.sampling,
+        r.output_index + 1,
+        r.sample_index,
+        None,
+        r.num_prompt_tokens,
+        None,
+        r.num_steps,
+    )
