@@ -42,15 +42,22 @@ def window_output(sched: SchedulerOutput, token: TokenFn = counting, seconds: fl
     return ModelRunnerOutput(sched.step_id, req_ids, tokens, seconds)
 
 
-def make_scheduler(decode_steps: int = 4, budget_s: float = 1.0, max_model_len: int = 512, **limits: int) -> Scheduler:
+def make_scheduler(
+    decode_steps: int = 4, budget_s: float = 1.0, max_model_len: int = 512, measured: bool = True, **limits: int
+) -> Scheduler:
+    """``measured``: as if an all-decode step had been timed, at no time at all (the fake model's), so windows are
+    as long as ``decode_steps`` from the first all-decode step on."""
     sizes = {"num_cache_blocks": 64, "block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 32}
-    return Scheduler(
+    s = Scheduler(
         **{**sizes, **limits},
         max_model_len=max_model_len,
         eos_token_ids=[EOS],
         decode_steps=decode_steps,
         decode_window_s=budget_s,
     )
+    if measured:
+        s.windows.seconds_per_step = 0.0
+    return s
 
 
 def drive(s: Scheduler, token: TokenFn = counting, max_steps: int = 1000) -> list[SchedulerOutput]:
@@ -209,7 +216,7 @@ def test_a_windows_blocks_ahead_never_leave_a_later_request_short() -> None:
 
 
 def test_windows_are_sized_by_the_last_all_decode_steps_time() -> None:
-    s = make_scheduler(budget_s=0.02)
+    s = make_scheduler(budget_s=0.02, measured=False)
     s.add_request(make_request("r", 5, max_tokens=200))
     prefill = s.schedule()
     s.update_from_output(prefill, window_output(prefill, seconds=5.0))  # a prefill's time sizes nothing
@@ -218,8 +225,8 @@ def test_windows_are_sized_by_the_last_all_decode_steps_time() -> None:
         sched = s.schedule()
         sizes.append(sched.num_steps)
         s.update_from_output(sched, window_output(sched, seconds=seconds_per_step * sched.num_steps))
-    # Unmeasured: the most. 0.01 s a step: 2 fit in 0.02. 0.03: 1, still timed, so 0.004 brings back the most.
-    assert sizes == [4, 2, 1, 4]
+    # Unmeasured: one step. 0.01 s a step: 2 fit in 0.02. 0.03: 1, still timed, so 0.004 brings back the most.
+    assert sizes == [1, 2, 1, 4]
     assert s.windows.seconds_per_step == pytest.approx(0.004)
 
 

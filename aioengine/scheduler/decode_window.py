@@ -3,7 +3,7 @@ steps back to back on the workers (``SchedulerOutput.num_steps``), so the step l
 handing the step over, applying and publishing its outputs) is paid once for all of them.
 
 A window is sized by the time its steps take: at most ``max_steps``, and no more than fit in ``budget_s`` at the
-speed of the last all-decode step. A request that arrives meanwhile waits for the window in flight and the one queued
+speed of the last all-decode step (single steps until one was measured). A request that arrives meanwhile waits for the window in flight and the one queued
 behind it, so the budget bounds what windows add to its first token, and to the gaps of a stream.
 """
 
@@ -51,9 +51,9 @@ class DecodeWindows:
             ):
                 return 0
         seconds = self.seconds_per_step
-        if seconds is None or seconds <= 0:
-            return self.max_steps
-        return max(1, min(self.max_steps, int(self.budget_s / seconds)))
+        if seconds is None:
+            return 1  # a step to measure first: a model whose step takes seconds never runs a window
+        return max(1, min(self.max_steps, int(self.budget_s / seconds) if seconds > 0 else self.max_steps))
 
     def sent(self, step_id: int, num_steps: int) -> None:
         """An all-decode step of ``num_steps`` steps was scheduled (``size`` said it could be a window)."""
