@@ -3,8 +3,9 @@ steps back to back on the workers (``SchedulerOutput.num_steps``), so the step l
 handing the step over, applying and publishing its outputs) is paid once for all of them.
 
 A window is sized by the time its steps take: at most ``max_steps``, and no more than fit in ``budget_s`` at the
-speed of the last all-decode step (single steps until one was measured). A request that arrives meanwhile waits for the window in flight and the one queued
-behind it, so the budget bounds what windows add to its first token, and to the gaps of a stream.
+speed of the last all-decode step (single steps until one was measured). A request that arrives meanwhile waits
+for the window in flight and the one queued behind it, so the budget bounds what windows add to its first token,
+and to the gaps of a stream.
 """
 
 from __future__ import annotations
