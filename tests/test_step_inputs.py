@@ -11,7 +11,13 @@ import torch
 from aioengine.int_tensors import int64_tensor
 from aioengine.messages import PLACEHOLDER_TOKEN_ID, PromptLogprobsSpec, ScheduledRequest, SchedulerOutput
 from aioengine.sampling.params import SamplingParams
-from aioengine.worker.step_inputs import block_tables, fill_placeholders, padded_decode_inputs
+from aioengine.worker.step_inputs import (
+    WindowBatch,
+    block_tables,
+    fill_placeholders,
+    next_decode_batch,
+    padded_decode_inputs,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
@@ -42,6 +48,30 @@ def test_padded_decode_inputs_hold_each_request_s_token_position_slot_and_blocks
     assert slots.tolist() == want
     assert batch.block_tables.shape == (9, 4) and batch.groups is None
     assert batch.block_tables[0].tolist() == [5, 6, 20, 0] and batch.block_tables[1].tolist() == [5, 7, 21, 40]
+
+
+@pytest.mark.parametrize("keep", [None, [0, 2, 3, 6]], ids=["every row goes on", "some rows leave"])
+def test_a_windows_next_batch_is_what_its_rows_moved_on_make(keep: list[int] | None) -> None:
+    """A decode window's next step moves the batch on with tensor ops: the same rows as ``padded_decode_inputs``
+    makes of the requests one position on, their tokens the ones sampled, across block boundaries."""
+    kernel = lambda: None  # noqa: E731 - a decode kernel present: no row groups
+    reqs = [ScheduledRequest(f"r{i}", [100 + i], 28 + i, [5, 6 + i, 20 + i, 40 + i], GREEDY) for i in range(8)]
+    batch = padded_decode_inputs(reqs, torch.device("cpu"), kernel, block_size=16)
+    sampled = torch.arange(500, 508)
+    moved = [reqs[i] for i in (keep if keep is not None else range(8))]
+    want = padded_decode_inputs(
+        [dataclasses.replace(r, token_ids=[500 + reqs.index(r)], start_pos=r.start_pos + 1) for r in moved],
+        torch.device("cpu"),
+        kernel,
+        block_size=16,
+    )
+    got = next_decode_batch(batch, sampled, keep, block_size=16)
+    assert torch.equal(got.rows, want.rows) and torch.equal(got.block_tables, want.block_tables)
+    assert got.groups is None
+    # WindowBatch finds the rows that go on by the next step's requests, which become its own.
+    window = WindowBatch(7, reqs, batch, sampled)
+    again = window.moved_on(moved, block_size=16)
+    assert torch.equal(again.rows, want.rows) and window.reqs is moved and window.sampled is None
 
 
 def test_with_token_ids_keeps_every_other_field() -> None:

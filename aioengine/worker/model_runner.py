@@ -30,7 +30,7 @@ from aioengine.sampling.sampler import Sampler, SamplingMetadata
 from aioengine.worker.cache_engine import CacheEngine
 from aioengine.worker.graphs import PaddedDecodeRunner, default_capture_sizes
 from aioengine.worker.logprobs import asks_logprobs, known_token_logprobs, sampled_logprobs
-from aioengine.worker.step_inputs import StepInputs, fill_placeholders, prepare_inputs
+from aioengine.worker.step_inputs import DecodeBatch, StepInputs, WindowBatch, fill_placeholders, prepare_inputs
 from aioengine.worker.step_sampling import RawArgmaxRows, sampling_metadata
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class ModelRunner:
         self._last_sampled: dict[str, int] = {}
         """Tokens the last sampling step chose, by request: what ``PLACEHOLDER_TOKEN_ID`` stands for."""
         self._raw_argmax_rows = RawArgmaxRows()
+        self._window: WindowBatch | None = None
+        """The last step of a decode window in progress, which the window's next step moves on."""
         self.decode_kernel: Callable[..., None] | None = None
         """The C++ paged decode attention where it applies (``device.cpu_kernels``, CPU, float32)."""
         self.prefill_kernel: Callable[..., None] | None = None
@@ -256,16 +258,24 @@ class ModelRunner:
         start = time.perf_counter()
         if sched.is_empty:
             return ModelRunnerOutput(sched.step_id, [], [])
-        sched = fill_placeholders(sched, self._last_sampled)
+        window = self._continued_window(sched)
+        if window is None:
+            sched = fill_placeholders(sched, self._last_sampled)
         reqs = sched.requests
         # One rank: the lm_head waits for sample_tokens, which can pick greedy tokens without the logits.
         # Under tensor parallelism every rank computes them now (gathered across the ranks).
         lazy = self.tp.size == 1
         pending = _Pending(sched.step_id, [], start)
-        if self._fits_decode_runner(reqs):
-            assert self.decode_runner is not None
-            lazy = lazy and not self.decode_runner.use_graphs  # a captured forward ends in the logits
-            pending.reqs, rows = self._run_padded_decode(reqs, lazy)
+        if window is not None or self._fits_decode_runner(reqs):
+            runner = self.decode_runner
+            assert runner is not None
+            lazy = lazy and not runner.use_graphs  # a captured forward ends in the logits
+            batch = runner.batch(reqs) if window is None else window.moved_on(reqs, self.block_size)
+            if sched.num_steps > 1 or window is not None:
+                # The window's next step moves this one's rows on, where no row groups are needed.
+                on = self.decode_kernel is not None or runner.use_graphs
+                self._window = WindowBatch(sched.step_id, reqs, batch) if on else None
+            pending.reqs, rows = self._run_padded_decode(reqs, batch, lazy)
         else:
             inputs = self._prepare_inputs(sched)
             pending.reqs, lazy = inputs.sample_reqs, lazy and not inputs.prompt_reqs
@@ -311,7 +321,9 @@ class ModelRunner:
         if self.tp.rank != 0:
             # Rank 0 samples for the group (ranks can never diverge, whatever the sampling); the others
             # take its tokens, which the next step's placeholders stand for.
-            chosen = self.tp.broadcast(torch.empty(len(reqs), dtype=torch.int64, device=self.tp.device)).tolist()
+            taken = self.tp.broadcast(torch.empty(len(reqs), dtype=torch.int64, device=self.tp.device))
+            self._keep_for_window(step_id, taken)
+            chosen = taken.tolist()
             self._last_sampled = {r.req_id: token for r, token in zip(reqs, chosen, strict=True)}
             return ModelRunnerOutput(step_id, [r.req_id for r in reqs], chosen, time.perf_counter() - start)
         assert self.model is not None
@@ -330,6 +342,7 @@ class ModelRunner:
             logprobs = sampled_logprobs(logits, sampled.processed_logits, sampled.token_ids, reqs)
         if self.tp.size > 1:
             self.tp.broadcast(greedy.to(self.tp.device, torch.int64))
+        self._keep_for_window(step_id, greedy)
         tokens = greedy.tolist()
         self._last_sampled = {r.req_id: token for r, token in zip(reqs, tokens, strict=True)}
         return ModelRunnerOutput(
@@ -352,6 +365,26 @@ class ModelRunner:
             model_vocab_size=self.model_info().vocab_size,
         )
 
+    def _continued_window(self, sched: SchedulerOutput) -> WindowBatch | None:
+        """The decode window ``sched`` is the next step of (``worker.step_window`` makes it of the step before, under
+        the window's step id), where its last step was sampled; else None, and no window is kept."""
+        window = self._window
+        if (
+            window is not None
+            and window.step_id == sched.step_id
+            and sched.num_steps == 1
+            and window.sampled is not None
+        ):
+            return window
+        self._window = None
+        return None
+
+    def _keep_for_window(self, step_id: int, tokens: torch.Tensor) -> None:
+        """``tokens``, just sampled by step ``step_id``, are what a decode window's next step computes."""
+        window = self._window
+        if window is not None and window.step_id == step_id:
+            window.sampled = tokens.to(self.device, torch.int64)
+
     def _fits_decode_runner(self, reqs: list[ScheduledRequest]) -> bool:
         runner = self.decode_runner
         return (
@@ -361,13 +394,13 @@ class ModelRunner:
         )
 
     def _run_padded_decode(
-        self, reqs: list[ScheduledRequest], lazy: bool
+        self, reqs: list[ScheduledRequest], batch: DecodeBatch, lazy: bool
     ) -> tuple[list[ScheduledRequest], torch.Tensor]:
-        """The sampling requests and their rows: the final norm's output where ``lazy`` (and the batch runs
-        eager), else logits."""
+        """The sampling requests and their rows (``batch``, made of ``reqs``): the final norm's output where ``lazy``
+        (and the batch runs eager), else logits."""
         assert self.decode_runner is not None
         run = self.decode_runner.run_hidden if lazy else self.decode_runner.run
-        out = run(self.decode_runner.batch(reqs))
+        out = run(batch)
         rows = [i for i, r in enumerate(reqs) if r.sample]
         if len(rows) < len(reqs):  # a one-token prefill chunk that does not end its prompt
             out = out[rows]

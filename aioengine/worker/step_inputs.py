@@ -176,6 +176,42 @@ def padded_decode_inputs(
     return DecodeBatch(both[: 3 * b].view(3, b), both[3 * b :].view(b, width), _on_device(groups, device))
 
 
+def next_decode_batch(batch: DecodeBatch, tokens: torch.Tensor, keep: list[int] | None, block_size: int) -> DecodeBatch:
+    """``batch`` one step on, as the next step of a decode window runs it: each row's token the one its step sampled
+    (``tokens``), at the next position, its KV slot read from its block table (which covers the whole window);
+    ``keep``: the rows that go on (None: all). What ``padded_decode_inputs`` makes of those rows, without reading
+    them; no row groups (a decode kernel or a captured graph runs it)."""
+    tables, positions = batch.block_tables, batch.rows[1] + 1
+    if keep is not None:
+        index = int64_tensor(keep, tables.device)
+        tables, positions, tokens = tables[index], positions[index], tokens[index]
+    blocks = tables.gather(1, torch.div(positions, block_size, rounding_mode="floor").unsqueeze(1)).squeeze(1)
+    return DecodeBatch(torch.stack([tokens, positions, blocks * block_size + positions % block_size]), tables)
+
+
+@dataclass(slots=True)
+class WindowBatch:
+    """A decode window's last step on the model runner: its rows and their batch, and the tokens it sampled once it
+    has (``moved_on`` makes the next step's batch of them)."""
+
+    step_id: int
+    reqs: list[ScheduledRequest]
+    batch: DecodeBatch
+    sampled: torch.Tensor | None = None
+
+    def moved_on(self, reqs: list[ScheduledRequest], block_size: int) -> DecodeBatch:
+        """The batch of the window's next step, whose rows ``reqs`` are these rows that go on, in order; they become
+        the last step's."""
+        assert self.sampled is not None
+        keep = None
+        if len(reqs) != len(self.reqs):  # rows that ran all their steps leave
+            going = {r.req_id for r in reqs}
+            keep = [i for i, r in enumerate(self.reqs) if r.req_id in going]
+        batch = next_decode_batch(self.batch, self.sampled, keep, block_size)
+        self.reqs, self.batch, self.sampled = reqs, batch, None
+        return batch
+
+
 def _on_device(
     groups: list[tuple[list[int], int]] | None, device: torch.device
 ) -> list[tuple[torch.Tensor, int]] | None:
