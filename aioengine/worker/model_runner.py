@@ -270,11 +270,13 @@ class ModelRunner:
             runner = self.decode_runner
             assert runner is not None
             lazy = lazy and not runner.use_graphs  # a captured forward ends in the logits
-            batch = runner.batch(reqs) if window is None else window.moved_on(reqs, self.block_size)
-            if sched.num_steps > 1 or window is not None:
-                # The window's next step moves this one's rows on, where no row groups are needed.
-                on = self.decode_kernel is not None or runner.use_graphs
-                self._window = WindowBatch(sched.step_id, reqs, batch) if on else None
+            if window is not None:
+                batch = window.moved_on(reqs, self.block_size)
+            else:
+                batch = runner.batch(reqs)
+                # A window's next step moves this one's rows on, where no row groups are needed.
+                if sched.num_steps > 1 and (self.decode_kernel is not None or runner.use_graphs):
+                    self._window = WindowBatch(sched.step_id, reqs, batch)
             pending.reqs, rows = self._run_padded_decode(reqs, batch, lazy)
         else:
             inputs = self._prepare_inputs(sched)
