@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from aioengine.messages import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
 from aioengine.scheduler.request import RequestStatus
@@ -28,9 +28,15 @@ def fake_output(sched: SchedulerOutput) -> ModelRunnerOutput:
     return ModelRunnerOutput(sched.step_id, [r.req_id for r in sampling], [default_token(r) for r in sampling])
 
 
-def drive_pipelined(s, max_steps: int = 1000, scheduled: Iterable[SchedulerOutput] = ()) -> list[SchedulerOutput]:
+def drive_pipelined(
+    s,
+    max_steps: int = 1000,
+    scheduled: Iterable[SchedulerOutput] = (),
+    output: Callable[[SchedulerOutput], ModelRunnerOutput] = fake_output,
+) -> list[SchedulerOutput]:
     """As EngineCore does with async scheduling: one step stays queued behind the one whose outputs
-    are applied next; returns every step scheduled (after ``scheduled``, steps already in flight)."""
+    are applied next; returns every step scheduled (after ``scheduled``, steps already in flight).
+    ``output``: the fake model's answer to a step."""
     in_flight: deque[SchedulerOutput] = deque(scheduled)
     history = []
     for _ in range(max_steps):
@@ -42,7 +48,7 @@ def drive_pipelined(s, max_steps: int = 1000, scheduled: Iterable[SchedulerOutpu
             history.append(sched)
         if len(in_flight) > 1 or (sched.is_empty and in_flight):
             done = in_flight.popleft()
-            s.update_from_output(done, fake_output(done))
+            s.update_from_output(done, output(done))
     raise AssertionError(f"requests still unfinished after {max_steps} steps: {list(s.requests)}")
 
 

@@ -20,6 +20,7 @@ from aioengine.scheduler.request import RequestStatus
 from aioengine.scheduler.scheduler import Scheduler
 from aioengine.worker.step_window import run_window
 from tests.conftest import engine_config
+from tests.test_async_scheduling import drive_pipelined
 from tests.test_scheduler import EOS, FIRST_TOKEN, assert_all_blocks_free, expected_outputs, make_request
 from tests.test_step_wire import Wire
 
@@ -60,25 +61,15 @@ def make_scheduler(
     return s
 
 
-def drive(s: Scheduler, token: TokenFn = counting, max_steps: int = 1000) -> list[SchedulerOutput]:
-    """As EngineCore does with async scheduling (one step queued behind the one whose outputs come next); returns
-    every step scheduled, checking that a row's blocks cover every position its window computes."""
-    in_flight: deque[SchedulerOutput] = deque()
-    history = []
-    for _ in range(max_steps):
-        if not s.has_unfinished_requests() and not in_flight:
-            return history
-        sched = s.schedule()
-        if not sched.is_empty:
-            assert sched.num_steps == max(r.num_steps for r in sched.requests)
-            for r in sched.requests:
-                assert len(r.block_ids) * s.kv.block_size >= r.start_pos + len(r.token_ids) + r.num_steps - 1
-            in_flight.append(sched)
-            history.append(sched)
-        if len(in_flight) > 1 or (sched.is_empty and in_flight):
-            done = in_flight.popleft()
-            s.update_from_output(done, window_output(done, token))
-    raise AssertionError(f"requests still unfinished after {max_steps} steps: {list(s.requests)}")
+def drive(s: Scheduler, token: TokenFn = counting) -> list[SchedulerOutput]:
+    """As EngineCore does with async scheduling (``drive_pipelined``); returns every step scheduled, checking that a
+    row's blocks cover every position its window computes (a step's block lists are never changed afterwards)."""
+    history = drive_pipelined(s, output=lambda done: window_output(done, token))
+    for sched in history:
+        assert sched.num_steps == max(r.num_steps for r in sched.requests)
+        for r in sched.requests:
+            assert len(r.block_ids) * s.kv.block_size >= r.start_pos + len(r.token_ids) + r.num_steps - 1
+    return history
 
 
 # ---- the scheduler ---------------------------------------------------------------------------------------------
