@@ -53,6 +53,18 @@ async def test_graph_replay_matches_eager_on_cuda(llama_ckpt: Path) -> None:
         assert await _run(graphs, prompts) == expected
 
 
+async def test_decode_windows_on_captured_graphs_give_single_steps_tokens(llama_ckpt: Path) -> None:
+    # A window's later steps move the captured batch on with tensor ops on the device (no row groups).
+    prompts = _prompts()
+    async with AsyncEngine(_cuda_config(llama_ckpt, scheduler={"decode_steps": 1})) as single:
+        expected = await _run(single, prompts)
+        single_steps = single.core.num_steps
+    windows = {"decode_steps": 4, "decode_window_s": 10.0}
+    async with AsyncEngine(_cuda_config(llama_ckpt, scheduler=windows)) as windowed:
+        assert await _run(windowed, prompts) == expected
+        assert windowed.core.num_steps < single_steps
+
+
 async def test_kv_cache_is_sized_from_device_memory(llama_ckpt: Path) -> None:
     config = engine_config(llama_ckpt, device={"device": "cuda"}, cache={"num_blocks": None, "memory_utilization": 0.3})
     async with AsyncEngine(config) as engine:
