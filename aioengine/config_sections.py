@@ -162,9 +162,9 @@ class SchedulerConfig(_Section):
         ge=1,
         description=(
             "Most decode steps the workers run back to back as one step (a decode window) while every running "
-            "sequence decodes plain greedy (no logprobs, past min_tokens) and no request waits: the step loop's own "
-            "cost per step is then paid once per window. 1: every step is one forward. A sequence that ends inside "
-            "a window (EOS, a stop) has its later tokens dropped."
+            "sequence decodes plain greedy (no logprobs, no stop strings, past min_tokens) and no waiting request "
+            "has a free seat: the step loop's own cost per step is then paid once per window. 1: every step is one "
+            "forward. A sequence that ends inside a window (EOS, a stop id) has its later tokens dropped."
         ),
     )
     decode_window_s: float = Field(

@@ -91,24 +91,27 @@ def test_plain_greedy_decodes_run_as_windows_and_give_every_token_once() -> None
     assert len(history) < len(drive(single))
 
 
-def test_no_window_while_a_request_waits_to_be_admitted() -> None:
+def test_no_window_while_a_waiting_request_has_a_seat_and_it_takes_the_first_that_frees() -> None:
     s = make_scheduler(max_num_seqs=2)
     requests = [make_request(f"r{i}", 4, max_tokens=6 + 6 * i) for i in range(3)]
     for r in requests:
         s.add_request(r)
     in_flight: deque[SchedulerOutput] = deque()
-    windows_while_waiting = windows_after = 0
+    windows_while_seats_full = 0
     while s.has_unfinished_requests() or in_flight:
-        waiting = s.num_waiting > 0
+        seat_free = s.num_waiting > 0 and s.num_running < s.max_num_seqs
+        full = s.num_waiting > 0 and not seat_free
+        waiting = s.num_waiting
         sched = s.schedule()
+        if seat_free:  # admitted now, not after a window
+            assert sched.num_steps == 1 and s.num_waiting < waiting
+        windows_while_seats_full += full and sched.num_steps > 1
         if not sched.is_empty:
             in_flight.append(sched)
-            windows_while_waiting += waiting and sched.num_steps > 1
-            windows_after += not waiting and sched.num_steps > 1
         if len(in_flight) > 1 or (sched.is_empty and in_flight):
             done = in_flight.popleft()
             s.update_from_output(done, window_output(done))
-    assert windows_while_waiting == 0 and windows_after > 0
+    assert windows_while_seats_full > 0
     assert all(r.output_token_ids == expected_outputs(r.sampling.max_tokens) for r in requests)
 
 

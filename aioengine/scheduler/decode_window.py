@@ -4,8 +4,8 @@ handing the step over, applying and publishing its outputs) is paid once for all
 
 A window is sized by the time its steps take: at most ``max_steps``, and no more than fit in ``budget_s`` at the
 speed of the last all-decode step (single steps until one was measured). A request that arrives meanwhile waits
-for the window in flight and the one queued behind it, so the budget bounds what windows add to its first token,
-and to the gaps of a stream.
+for the window in flight and the one queued behind it (as one waiting for a seat waits for the window in which a
+sequence ends), so the budget bounds what windows add to its first token, and to the gaps of a stream.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ class DecodeWindows:
         self._sent: dict[int, int] = {}
         """Step id -> its steps, for the all-decode steps in flight (their time is what sizes the windows)."""
 
-    def size(self, running: Sequence[Request], anyone_waits: bool) -> int:
-        """0 where the next step cannot be a window: a request waits to be admitted (windows would hold it back), or
+    def size(self, running: Sequence[Request], admits: bool) -> int:
+        """0 where the next step cannot be a window: a waiting request can be admitted (``admits``: a window would
+        hold it back; one waiting for a seat is admitted at the end of the window that frees one), or
         a running sequence does more than decode one token and take its raw argmax (plain greedy, no logprobs, past
         ``min_tokens``; no prompt logprobs, no group to fork) or has stop strings (a string found inside a window
         would end its sequence after tokens the window already added). Else its number of steps (1 where the
         budget allows no more); a sequence may run fewer (its length limits)."""
-        if self.max_steps == 1 or anyone_waits or not running:
+        if self.max_steps == 1 or admits or not running:
             return 0
         takes_it = self._takes_raw_argmax
         for r in running:  # every running sequence, every step: locals, no properties

@@ -151,7 +151,8 @@ class Scheduler:
         preempted = False
         kv = self.kv
         max_model_len = self.max_model_len
-        window = self.windows.size(self.running, bool(self.waiting))  # 0: not all plain decodes
+        # 0: not all plain decodes, or a waiting request has a seat to take (a window holds none: no followers)
+        window = self.windows.size(self.running, bool(self.waiting) and len(self.running) < self.max_num_seqs)
         i = 0
         # Runs for every running request every step: locals, and no calls where an expression does.
         while i < len(self.running) and budget > 0:
