@@ -8,6 +8,7 @@ The worker's side (``run_window``) is driven with a fake step; the engine's, aga
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -291,6 +292,23 @@ def test_each_step_of_a_window_is_the_one_before_moved_on_and_the_answer_goes_ro
     assert all(r.block_ids is rows[0].block_ids for step in seen[1:] for r in step.requests if r.req_id == "a")
     assert (out.step_id, out.req_ids, out.sampled_token_ids) == (7, list("aaabcc"), [10, 11, 12, 20, 30, 31])
     assert out.forward_seconds == pytest.approx(1.5)
+
+
+def test_a_windows_next_step_keeps_every_field_it_does_not_move_on() -> None:
+    from aioengine.messages import PromptLogprobsSpec
+    from aioengine.worker.step_window import _next
+
+    # Every field set off its default, so a field _next forgets shows as a difference.
+    r = ScheduledRequest(
+        "r", [5], 9, [4, 5], SamplingParams(temperature=0.0), 3, 1, [7, 8], 2, PromptLogprobsSpec(1, 10, [2]), 4
+    )
+    assert {f.name for f in dataclasses.fields(r)} == {
+        f.name for f in dataclasses.fields(r) if getattr(r, f.name) != f.default
+    }
+    moved = dataclasses.replace(
+        r, token_ids=[PLACEHOLDER_TOKEN_ID], start_pos=10, output_index=4, history=None, prompt_logprobs=None
+    )
+    assert _next(r) == moved
 
 
 def test_a_window_step_answering_logprobs_is_refused() -> None:

@@ -2,9 +2,9 @@
 their outputs as the one ``ModelRunnerOutput`` the scheduler takes.
 
 Each step after the first is the step before moved on by one position: every row still within its
-``ScheduledRequest.num_steps`` computes the token the step before sampled for it (a placeholder, which the model
-runner fills as it fills the placeholders of async scheduling). Each step goes through the worker's own
-``execute_model`` and ``sample_tokens``, so a worker extension sees every one of them.
+``ScheduledRequest.num_steps`` computes the token the step before sampled for it (a placeholder: the model runner
+moves the last step's batch on where it can, ``WindowBatch``, else fills it as it fills async scheduling's). Each
+step goes through the worker's own ``execute_model`` and ``sample_tokens``, so a worker extension sees every one.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def run_window(sched: SchedulerOutput, run_step: Callable[[SchedulerOutput], Mod
 
 
 def _next(r: ScheduledRequest) -> ScheduledRequest:
-    """``r`` one step on: the token its last step sampled, at the next position."""
+    """``r`` one step on: the token its last step sampled, at the next position (no history or prompt logprobs: a
+    window's rows ask for neither). Positional, as ``with_token_ids``: a field added to ``ScheduledRequest`` must be
+    added here (a test compares the two)."""
     return ScheduledRequest(
         r.req_id,
         [PLACEHOLDER_TOKEN_ID],
