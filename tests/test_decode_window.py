@@ -356,3 +356,26 @@ async def test_windows_give_the_tokens_single_steps_give(llama_ckpt: Path) -> No
     assert windowed == single
     assert single[3][1] == "stop" and len(single[3][0]) <= 7
     assert windowed_steps < single_steps
+
+
+async def test_a_request_with_a_seat_takes_back_the_window_queued_behind_the_running_step(llama_ckpt: Path) -> None:
+    """A new request would wait for the window running and the one queued behind it. The queued one (no worker has
+    started it: each forward here sleeps first) is taken back and scheduled again with the new request."""
+    from aioengine import AsyncEngine
+    from tests.helpers import final, wait_until
+    from tests.test_concurrency import slow_forward
+
+    config = engine_config(llama_ckpt, scheduler={"decode_steps": 4, "decode_window_s": 10.0})
+    long = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    async with AsyncEngine(config) as engine:
+        alone = (await final(engine, [9, 8, 7], short)).token_ids
+        await engine.collective_rpc(slow_forward, args=(0.05,))  # a window runs 0.2 s: the new request comes first
+        core = engine.core
+        running = asyncio.create_task(final(engine, [5, 6, 7], long))
+        await wait_until(lambda: len(core._inflight) > 1 and core._inflight[-1][0].num_steps > 1, "a window queued")
+        revoked = core.scheduler.num_revoked
+        joined = await final(engine, [9, 8, 7], short)
+        assert core.scheduler.num_revoked == revoked + 1
+        assert joined.token_ids == alone
+        assert len((await running).token_ids) == 30

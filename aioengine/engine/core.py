@@ -103,9 +103,22 @@ class EngineCore:
             self.held.append(request)
         else:
             self.scheduler.add_request(request)
+            self._admit_before_a_queued_window()
             self._kick()
         self.states[request.group_id] = state
         return state.collector
+
+    def _admit_before_a_queued_window(self) -> None:
+        """A request that has a seat to take does not wait for a decode window queued behind the running step: the
+        window is taken back (where no worker has started it) and its sequences are scheduled again with the new one,
+        whose first token then waits for the running step alone."""
+        scheduler = self.scheduler
+        if (
+            len(self._inflight) > 1
+            and self._inflight[-1][0].num_steps > 1
+            and scheduler.num_running < scheduler.max_num_seqs
+        ):
+            self.revoke_queued_step()
 
     def token_text(self, token_id: int) -> str:
         """A token's text on its own (for logprobs); cached, since the same tokens come back all the time."""
