@@ -172,8 +172,9 @@ class SchedulerConfig(_Section):
         ge=0,
         description=(
             "A decode window runs no more steps than fit in this many seconds at the speed of the last all-decode "
-            "step: it bounds what windows add to a new request's first token and to a stream's gaps. Models whose "
-            "decode step takes longer than this never run windows (their step loop's cost is small beside it)."
+            "step: it bounds what windows add to a new request's first token (one that arrives with a seat takes "
+            "back the window queued behind the running one) and to a stream's gaps. Models whose decode step takes "
+            "longer than this never run windows (their step loop's cost is small beside it)."
         ),
     )
     preemption_mode: PreemptionMode = Field(

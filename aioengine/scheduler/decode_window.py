@@ -4,8 +4,9 @@ handing the step over, applying and publishing its outputs) is paid once for all
 
 A window is sized by the time its steps take: at most ``max_steps``, and no more than fit in ``budget_s`` at the
 speed of the last all-decode step (single steps until one was measured). A request that arrives meanwhile waits
-for the window in flight and the one queued behind it (as one waiting for a seat waits for the window in which a
-sequence ends), so the budget bounds what windows add to its first token, and to the gaps of a stream.
+for the window in flight (the engine takes back the one queued behind it, ``EngineCore``), as one waiting for a seat
+waits for the window in which a sequence ends, so the budget bounds what windows add to its first token, and to the
+gaps of a stream.
 """
 
 from __future__ import annotations
