@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from aioengine.sampling.params import RawArgmaxParams
+from aioengine.scheduler.kv_manager import KVBlockManager
 from aioengine.scheduler.request import Request
 
 
@@ -57,6 +58,25 @@ class DecodeWindows:
         if seconds is None:
             return 1  # a step to measure first: a model whose step takes seconds never runs a window
         return max(1, min(self.max_steps, int(self.budget_s / seconds) if seconds > 0 else self.max_steps))
+
+    def steps_of(
+        self, request: Request, window: int, known: int, max_model_len: int, kv: KVBlockManager, rows_after: int
+    ) -> int:
+        """The steps ``request`` (``known`` tokens once the steps in flight come back) runs in a window of
+        ``window``: as many as its length limits leave, its blocks allocated ahead for them. 0 where those blocks
+        would leave fewer than one free for each of the ``rows_after`` requests scheduled after it, or are not free:
+        the step then runs single, so a window never preempts, and every row but one that ends inside a window runs
+        all of it (the worker's placeholders stand for the tokens of the window's last step)."""
+        steps = min(window, request.sampling.max_tokens - known + len(request.prompt_token_ids), max_model_len - known)
+        if steps <= 1:
+            return 1
+        start = request.num_computed_tokens
+        extra = kv.blocks_for(start + steps) - len(request.block_ids)
+        if (extra > 0 and kv.num_free_blocks - extra < rows_after) or not kv.allocate(
+            request, start + steps, write_from=start
+        ):
+            return 0
+        return steps
 
     def sent(self, step_id: int, num_steps: int) -> None:
         """An all-decode step of ``num_steps`` steps was scheduled (``size`` said it could be a window)."""

@@ -168,17 +168,9 @@ class Scheduler:
                 continue
             start = request.num_computed_tokens
             steps = 1
-            if window > 1:  # as many as its length limits leave
-                steps = min(window, request.sampling.max_tokens - known + len(request.prompt_token_ids))
-                steps = min(steps, max_model_len - known)
-                # Its blocks ahead only while a block is left for each request after it: a window never preempts.
-                # Short of them, the step runs single: every row but one that ends inside a window runs all of it
-                # (the worker's placeholders stand for the tokens of the window's last step).
-                extra = kv.blocks_for(start + steps) - len(request.block_ids)
-                if steps > 1 and (
-                    (extra > 0 and kv.num_free_blocks - extra < len(self.running) - i - 1)
-                    or not kv.allocate(request, start + steps, write_from=start)
-                ):
+            if window > 1:
+                steps = self.windows.steps_of(request, window, known, max_model_len, kv, len(self.running) - i - 1)
+                if not steps:  # short of blocks ahead: the whole step runs single
                     window = steps = 1
                     scheduled = [(r, n, 1) for r, n, _ in scheduled]
             while not kv.allocate(request, start + num_new, write_from=start):
