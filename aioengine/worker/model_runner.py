@@ -30,7 +30,7 @@ from aioengine.sampling.sampler import Sampler, SamplingMetadata
 from aioengine.worker.cache_engine import CacheEngine
 from aioengine.worker.graphs import PaddedDecodeRunner, default_capture_sizes
 from aioengine.worker.logprobs import asks_logprobs, known_token_logprobs, sampled_logprobs
-from aioengine.worker.step_inputs import DecodeBatch, StepInputs, WindowBatch, fill_placeholders, prepare_inputs
+from aioengine.worker.step_inputs import DecodeBatch, DecodeWindow, StepInputs, fill_placeholders, prepare_inputs
 from aioengine.worker.step_sampling import RawArgmaxRows, sampling_metadata
 
 logger = logging.getLogger(__name__)
@@ -63,8 +63,7 @@ class ModelRunner:
         self._last_sampled: dict[str, int] = {}
         """Tokens the last sampling step chose, by request: what ``PLACEHOLDER_TOKEN_ID`` stands for."""
         self._raw_argmax_rows = RawArgmaxRows()
-        self._window: WindowBatch | None = None
-        """The last step of a decode window in progress, which the window's next step moves on."""
+        self._window = DecodeWindow()
         self.decode_kernel: Callable[..., None] | None = None
         """The C++ paged decode attention where it applies (``device.cpu_kernels``, CPU, float32)."""
         self.prefill_kernel: Callable[..., None] | None = None
@@ -258,25 +257,23 @@ class ModelRunner:
         start = time.perf_counter()
         if sched.is_empty:
             return ModelRunnerOutput(sched.step_id, [], [])
-        window = self._continued_window(sched)
-        if window is None:
+        batch = self._window.next_batch(sched, self.block_size)
+        if batch is None:
             sched = fill_placeholders(sched, self._last_sampled)
         reqs = sched.requests
         # One rank: the lm_head waits for sample_tokens, which can pick greedy tokens without the logits.
         # Under tensor parallelism every rank computes them now (gathered across the ranks).
         lazy = self.tp.size == 1
         pending = _Pending(sched.step_id, [], start)
-        if window is not None or self._fits_decode_runner(reqs):
+        if batch is not None or self._fits_decode_runner(reqs):
             runner = self.decode_runner
             assert runner is not None
             lazy = lazy and not runner.use_graphs  # a captured forward ends in the logits
-            if window is not None:
-                batch = window.moved_on(reqs, self.block_size)
-            else:
+            if batch is None:
                 batch = runner.batch(reqs)
                 # A window's next step moves this one's rows on, where no row groups are needed.
                 if sched.num_steps > 1 and (self.decode_kernel is not None or runner.use_graphs):
-                    self._window = WindowBatch(sched.step_id, reqs, batch)
+                    self._window.start(sched, batch)
             pending.reqs, rows = self._run_padded_decode(reqs, batch, lazy)
         else:
             inputs = self._prepare_inputs(sched)
@@ -324,7 +321,7 @@ class ModelRunner:
             # Rank 0 samples for the group (ranks can never diverge, whatever the sampling); the others
             # take its tokens, which the next step's placeholders stand for.
             taken = self.tp.broadcast(torch.empty(len(reqs), dtype=torch.int64, device=self.tp.device))
-            self._keep_for_window(step_id, taken)
+            self._window.sampled(step_id, taken.to(self.device))
             chosen = taken.tolist()
             self._last_sampled = {r.req_id: token for r, token in zip(reqs, chosen, strict=True)}
             return ModelRunnerOutput(step_id, [r.req_id for r in reqs], chosen, time.perf_counter() - start)
@@ -344,7 +341,7 @@ class ModelRunner:
             logprobs = sampled_logprobs(logits, sampled.processed_logits, sampled.token_ids, reqs)
         if self.tp.size > 1:
             self.tp.broadcast(greedy.to(self.tp.device, torch.int64))
-        self._keep_for_window(step_id, greedy)
+        self._window.sampled(step_id, greedy.to(self.device, torch.int64))
         tokens = greedy.tolist()
         self._last_sampled = {r.req_id: token for r, token in zip(reqs, tokens, strict=True)}
         return ModelRunnerOutput(
@@ -366,26 +363,6 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             model_vocab_size=self.model_info().vocab_size,
         )
-
-    def _continued_window(self, sched: SchedulerOutput) -> WindowBatch | None:
-        """The decode window ``sched`` is the next step of (``worker.step_window`` makes it of the step before, under
-        the window's step id), where its last step was sampled; else None, and no window is kept."""
-        window = self._window
-        if (
-            window is not None
-            and window.step_id == sched.step_id
-            and sched.num_steps == 1
-            and window.sampled is not None
-        ):
-            return window
-        self._window = None
-        return None
-
-    def _keep_for_window(self, step_id: int, tokens: torch.Tensor) -> None:
-        """``tokens``, just sampled by step ``step_id``, are what a decode window's next step computes."""
-        window = self._window
-        if window is not None and window.step_id == step_id:
-            window.sampled = tokens.to(self.device, torch.int64)
 
     def _fits_decode_runner(self, reqs: list[ScheduledRequest]) -> bool:
         runner = self.decode_runner

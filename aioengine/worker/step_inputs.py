@@ -212,6 +212,35 @@ class WindowBatch:
         return batch
 
 
+class DecodeWindow:
+    """The model runner's decode window in progress: its last step's batch (``WindowBatch``), which the window's next
+    step moves on."""
+
+    def __init__(self) -> None:
+        self._last: WindowBatch | None = None
+
+    def next_batch(self, sched: SchedulerOutput, block_size: int) -> DecodeBatch | None:
+        """The batch of ``sched`` where it is the next step of the window in progress (``worker.step_window`` makes
+        it of the step before, under the window's step id) and that step was sampled; else None, and no window is
+        kept."""
+        last = self._last
+        if last is not None and last.step_id == sched.step_id and sched.num_steps == 1 and last.sampled is not None:
+            return last.moved_on(sched.requests, block_size)
+        self._last = None
+        return None
+
+    def start(self, sched: SchedulerOutput, batch: DecodeBatch) -> None:
+        """``sched``, a window's first step, runs ``batch``: its next step moves it on."""
+        self._last = WindowBatch(sched.step_id, sched.requests, batch)
+
+    def sampled(self, step_id: int, tokens: torch.Tensor) -> None:
+        """``tokens`` ([rows] int64, on the batch's device), just sampled by step ``step_id``, are what the window's
+        next step computes."""
+        last = self._last
+        if last is not None and last.step_id == step_id:
+            last.sampled = tokens
+
+
 def _on_device(
     groups: list[tuple[list[int], int]] | None, device: torch.device
 ) -> list[tuple[torch.Tensor, int]] | None:
