@@ -28,16 +28,17 @@ from aioengine.model.packing import drop_packed_weights, release_plain_weights, 
 from aioengine.model.parallel import SINGLE, TensorParallel
 from aioengine.sampling.sampler import Sampler, SamplingMetadata
 from aioengine.worker.cache_engine import CacheEngine
-from aioengine.worker.graphs import PaddedDecodeRunner, default_capture_sizes
+from aioengine.worker.graphs import PaddedDecodeRunner
 from aioengine.worker.logprobs import asks_logprobs, known_token_logprobs, sampled_logprobs
+from aioengine.worker.runner_cache import RunnerCache
 from aioengine.worker.step_inputs import DecodeBatch, DecodeWindow, StepInputs, fill_placeholders, prepare_inputs
 from aioengine.worker.step_sampling import RawArgmaxRows, sampling_metadata
 
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner:
-    """Holds the model and the KV cache of one worker and runs steps on them."""
+class ModelRunner(RunnerCache):
+    """Holds the model and the KV cache of one worker (``RunnerCache``) and runs steps on them."""
 
     def __init__(self, config: Any, device: torch.device, tp: TensorParallel = SINGLE) -> None:
         self.config = config
@@ -136,88 +137,12 @@ class ModelRunner:
         if self.model is not None:
             drop_packed_weights(self.model, keep_values)
 
-    def model_info(self) -> ModelInfo:
-        """Facts the engine needs to size the cache and validate requests (plain, picklable)."""
-        if self.info is None:
-            raise RuntimeError("model_info() before load_model()")
-        return self.info
-
-    def cache_dtype(self) -> torch.dtype:
-        name = self.config.cache.cache_dtype
-        return self.dtype if name == "auto" else getattr(torch, name)
-
-    def get_cache_block_size_bytes(self) -> int:
-        info = self.model_info()
-        return CacheEngine.get_cache_block_size(
-            info.num_layers, self.block_size, self.kv_heads, info.head_size, self.cache_dtype()
-        )
-
-    def release_kv_cache(self) -> int:
-        """Frees the KV cache (and the decode runner whose buffers and graphs point into it); returns
-        the bytes it held. ``restore_kv_cache`` brings both back."""
-        if self.cache_engine is None:
-            return 0
-        freed = self.cache_engine.nbytes
-        if self.decode_runner is not None:
-            self.decode_runner.release()
-            self.decode_runner = None
-        self.cache_engine = None
-        return freed
-
     def shutdown(self) -> None:
         """Drops graphs, KV cache and model, in that order (the graphs point into both). Idempotent."""
         self.release_kv_cache()
         self._pending = None
         self._last_sampled = {}
         self.model = None
-
-    def restore_kv_cache(self) -> int:
-        """Allocates the KV cache again with the configuration it had; returns its bytes."""
-        assert self.kv_cache_config is not None, "restore_kv_cache before initialize_kv_cache"
-        self.initialize_kv_cache(self.kv_cache_config)
-        assert self.cache_engine is not None
-        return self.cache_engine.nbytes
-
-    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        self.kv_cache_config = kv_cache_config
-        info = self.model_info()
-        self.cache_engine = CacheEngine(
-            info.num_layers,
-            self.kv_heads,
-            info.head_size,
-            kv_cache_config.block_size,
-            kv_cache_config.num_cache_blocks,
-            self.cache_dtype(),
-            self.device,
-            kv_cache_config.num_host_blocks,
-        )
-        compile_cfg = self.config.compile
-        if not compile_cfg.enforce_eager:
-            assert self.model is not None
-            sizes = compile_cfg.cuda_graph_sizes or default_capture_sizes(self.config.scheduler.max_num_seqs)
-            self.decode_runner = PaddedDecodeRunner(
-                self.model,
-                self.cache_engine.device_cache,
-                sizes,
-                self.block_size,
-                -(-self.max_model_len // self.block_size),
-                self.device,
-                # Not under tensor parallelism yet: the collectives' capture (NCCL in a graph) is not wired up.
-                use_graphs=self.device.type == "cuda" and self.tp.size == 1,
-                decode_kernel=self.decode_kernel,
-            )
-
-    def capture_model(self) -> float:
-        """Captures the decode CUDA graphs (no-op on CPU or with enforce_eager); returns seconds."""
-        return self.decode_runner.capture() if self.decode_runner is not None else 0.0
-
-    def recapture_if_released(self) -> float:
-        """After a wake that reallocated the KV cache: captures the decode graphs again where they are
-        used and missing (a no-op when graphs survived, on CPU, or with enforce_eager); returns seconds."""
-        runner = self.decode_runner
-        if runner is None or not runner.use_graphs or runner.graphs:
-            return 0.0
-        return runner.capture()
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int | None = None) -> None:
