@@ -48,6 +48,7 @@ _SOURCES = [
         "packed_linear.cpp",
         "greedy_screen.cpp",
         "decoder_layer.cpp",
+        "decode_window.cpp",
     )
 ]
 _HEADERS = [_CSRC / "common.h", _CSRC / "kernels.h"]

@@ -105,6 +105,16 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& sin, const at::Tensor& slot_mapping, int64_t num_decodes,
     const c10::optional<at::Tensor>& decode_block_tables, const c10::optional<at::Tensor>& decode_context_lens,
     const std::vector<PrefillSpan>& prefills, const c10::optional<at::Tensor>& keep);
+
+// decode_window.cpp
+at::Tensor greedy_decode_window(
+    const LayerStack& stack, const std::vector<at::Tensor>& kv_caches, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& embedding, const at::Tensor& final_norm, double final_eps, const PackedLinear& head,
+    const c10::optional<at::Tensor>& head_bias, const at::Tensor& tokens, const at::Tensor& positions,
+    const at::Tensor& block_tables, const at::Tensor& steps, int64_t block_size,
+    const c10::optional<at::Tensor>& screen_packed, const c10::optional<at::Tensor>& screen_norms,
+    const c10::optional<at::Tensor>& screen_order, int64_t screen_int8_dims,
+    const c10::optional<at::Tensor>& screen_rows);
 #endif
 
 }  // namespace aioengine_cpu

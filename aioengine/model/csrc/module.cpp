@@ -14,12 +14,13 @@
 // - paged prefill attention: one prompt chunk, causal, over its context in the paged cache (AVX-512 and AVX2
 //   builds);
 // - decoder_layers: Llama-family decoder layers from the kernels above, a run of them in one call (AVX-512 and
-//   AVX2 builds).
+//   AVX2 builds); greedy_decode_window: a decode window's greedy steps in one call, built on it.
 //
 // This file binds them for Python; attention.cpp, prefill_attention.cpp, elementwise.cpp, packed_weights.cpp,
-// packed_linear.cpp, greedy_screen.cpp and decoder_layer.cpp hold them, common.h their shared helpers. Built on
-// first use by aioengine/model/cpu_kernels.py (torch.utils.cpp_extension); the plain torch paths (attention.py,
-// layers.py, linear.py, torch.argmax) compute the same things and are what these are tested against.
+// packed_linear.cpp, greedy_screen.cpp, decoder_layer.cpp and decode_window.cpp hold them, common.h their shared
+// helpers. Built on first use by aioengine/model/cpu_kernels.py (torch.utils.cpp_extension); the plain torch paths
+// (attention.py, layers.py, linear.py, torch.argmax) compute the same things and are what these are tested
+// against.
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>
@@ -69,6 +70,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "AVX2)", py::arg("stack"), py::arg("x"), py::arg("residual"), py::arg("kv_caches"), py::arg("positions"),
         py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"), py::arg("num_decodes"),
         py::arg("decode_block_tables"), py::arg("decode_context_lens"), py::arg("prefills"), py::arg("keep"),
+        release_gil());
+  m.def("greedy_decode_window", &greedy_decode_window, "A window of greedy decode steps: each the embedding, "
+        "decoder_layers, the final norm and the lm_head's first maximum (the screen's where given), its tokens the "
+        "next step's; returns [rows, steps] int64, -1 past a row's steps (CPU, float32, AVX-512 or AVX2)",
+        py::arg("stack"), py::arg("kv_caches"), py::arg("cos"), py::arg("sin"), py::arg("embedding"),
+        py::arg("final_norm"), py::arg("final_eps"), py::arg("head"), py::arg("head_bias"), py::arg("tokens"),
+        py::arg("positions"), py::arg("block_tables"), py::arg("steps"), py::arg("block_size"),
+        py::arg("screen_packed") = py::none(), py::arg("screen_norms") = py::none(),
+        py::arg("screen_order") = py::none(), py::arg("screen_int8_dims") = 0, py::arg("screen_rows") = py::none(),
         release_gil());
   m.def("paged_prefill_attention", &paged_prefill_attention, "Causal attention of one prefill chunk over its paged "
         "context, in place into out (CPU, float32, AVX-512 or AVX2)", py::arg("q"), py::arg("kv_cache"),
