@@ -26,14 +26,17 @@ T = TypeVar("T")
 
 
 def execute_and_sample(worker: WorkerBase, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-    """``execute_model`` then, when it leaves rows to sample, ``sample_tokens``; each step of a decode window so
-    (``run_window``). Module level: picklable."""
+    """``execute_model`` then, when it leaves rows to sample, ``sample_tokens``; a decode window in one go where
+    the worker can (``execute_window``), else each of its steps so (``run_window``). Module level: picklable."""
 
     def one_step(step: SchedulerOutput) -> ModelRunnerOutput:
         output = worker.execute_model(step)
         return output if output is not None else worker.sample_tokens()
 
-    return one_step(scheduler_output) if scheduler_output.num_steps == 1 else run_window(scheduler_output, one_step)
+    if scheduler_output.num_steps == 1:
+        return one_step(scheduler_output)
+    output = worker.execute_window(scheduler_output)
+    return output if output is not None else run_window(scheduler_output, one_step)
 
 
 def bridge(future: concurrent.futures.Future[T]) -> asyncio.Future[T]:

@@ -90,6 +90,32 @@ class ScreenCopy:
     """The weight copy's generation it was made from (``Linear._generation``)."""
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class GreedyHead:
+    """An lm_head as a kernel that picks greedy tokens itself reads it (``Linear.greedy_head``): its row-block copy
+    and bias, and where greedy steps screen it, the screen's copy and the plain rows ``greedy_screen_argmax``
+    reads."""
+
+    copy: tuple[int, int, int, int]
+    """``Linear.row_block_weight()``."""
+    bias: torch.Tensor | None
+    screen: ScreenCopy | None = None
+    rows: torch.Tensor | None = None
+
+    def screen_args(self) -> dict[str, object]:
+        """The screen's keyword arguments to ``kernels.greedy_decode_window`` (none without a screen)."""
+        if self.screen is None:
+            return {}
+        screen = self.screen
+        return {
+            "screen_packed": screen.packed,
+            "screen_norms": screen.norms,
+            "screen_order": screen.split.order,
+            "screen_int8_dims": screen.split.int8_dims,
+            "screen_rows": self.rows,
+        }
+
+
 class GreedyScreen:
     """One lm_head's screen: its copy, kept in step with the weight's float32 copy, and the split of the
     dimensions, chosen from the rows it screens."""
@@ -132,6 +158,17 @@ class GreedyScreen:
             self.read_since_made = False
         return copy
 
+    @property
+    def split_chosen(self) -> bool:
+        """Whether the split is chosen: ``argmax`` no longer looks at the rows it screens."""
+        return self._rows_seen >= SAMPLE_ROWS
+
+    def read_copy(self, weight_copy: tuple[int, int, int, int], generation: int) -> ScreenCopy:
+        """``copy_for``, for a greedy step about to read it."""
+        copy = self.copy_for(weight_copy, generation)
+        self.read_since_made = True
+        return copy
+
     def argmax(
         self,
         x: torch.Tensor,
@@ -145,8 +182,7 @@ class GreedyScreen:
         float32 are read a run of memory each (the row-block copy gives them a cache line for each value)."""
         if self._rows_seen < SAMPLE_ROWS:
             self._observe(x)
-        copy = self.copy_for(weight_copy, generation)
-        self.read_since_made = True
+        copy = self.read_copy(weight_copy, generation)
         address, floats, out_features, stride = weight_copy
         tokens = self.kernels.greedy_screen_argmax(
             x,

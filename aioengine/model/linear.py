@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aioengine.model.greedy_screen import GreedyScreen, ScreenCopy
+from aioengine.model.greedy_screen import GreedyHead, GreedyScreen, ScreenCopy
 from aioengine.model.onednn_layout import GEMM_BLOCK, has_row_block_gemm, packed_floats, row_block_layout
 from aioengine.model.parallel import TensorParallel
 
@@ -111,13 +111,30 @@ class Linear(nn.Linear):
         assert self.kernels is not None
         screen = self._screen_object()
         if screen is not None:
-            plain = self.weight.detach() if self._released is None else None
-            rows = plain if plain is not None and plain.dtype == torch.float32 and plain.is_contiguous() else None
-            tokens = screen.argmax(x, copy, self._generation, self.bias, rows)
+            tokens = screen.argmax(x, copy, self._generation, self.bias, self._screen_rows())
             if tokens is not None:
                 return tokens
         address, floats, out_features, stride = copy
         return self.kernels.linear_row_blocks_argmax(x, address, floats, out_features, stride, self.bias)
+
+    def greedy_head(self) -> GreedyHead | None:
+        """What a kernel that picks greedy tokens over this lm_head itself reads (``kernels.greedy_decode_window``):
+        what ``first_max`` reads, the screen's copy made current first. None where ``first_max`` would not run the
+        row-block kernels, or would still show its rows to a screen choosing its split."""
+        copy = self.row_block_weight()
+        if copy is None:
+            return None
+        screen = self._screen_object()
+        if screen is None:
+            return GreedyHead(copy, self.bias)
+        if not screen.split_chosen:
+            return None
+        return GreedyHead(copy, self.bias, screen.read_copy(copy, self._generation), self._screen_rows())
+
+    def _screen_rows(self) -> torch.Tensor | None:
+        """The weight as the screen reads its rows left for float32: the plain weight where it is kept in float32."""
+        plain = self.weight.detach() if self._released is None else None
+        return plain if plain is not None and plain.dtype == torch.float32 and plain.is_contiguous() else None
 
     def set_greedy_screen(self, on: bool) -> None:
         """``greedy_screen`` on or off; off frees the screen and its copy."""

@@ -265,6 +265,36 @@ class LlamaForCausalLM(nn.Module):
             x, residual = x[logits_indices], residual[logits_indices]
         return self.model.norm.add_and_norm(x, residual)
 
+    def greedy_window(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        steps: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+    ) -> torch.Tensor | None:
+        """A decode window of greedy steps in one call (``kernels.greedy_decode_window``): row b computes
+        ``tokens[b]`` at ``positions[b]``, then for ``steps[b]`` - 1 more steps the token the step before picked (as
+        ``greedy_tokens`` picks); ``block_tables`` cover them. Returns [rows, most steps] int64, -1 past a row's
+        last step; None where the model cannot (layers not in one kernel run, the head off the row-block kernels,
+        tensor parallelism)."""
+        rotary, embedding = self.model.rotary_emb, self.model.embed_tokens.weight
+        if (
+            self.tp.size != 1
+            or len(kv_caches) != len(self.model.layers)
+            or not rotary.kernel_covers(head_dim_of(self.config))
+        ):
+            return None
+        if embedding.dtype != torch.float32 or embedding.device.type != "cpu" or not embedding.is_contiguous():
+            return None
+        head = self.lm_head.greedy_head()
+        if head is None:
+            return None
+        window = one_call.GreedyWindow(tokens, positions, block_tables, steps, block_size)
+        runs = self._layer_runs.get()
+        return one_call.run_greedy_window(runs, window, embedding, rotary, self.model.norm, head, kv_caches)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head over ``final_hidden``'s rows: [S, V] float32 (gathered from every rank)."""
         return self.tp.all_gather(self.lm_head(hidden).float())

@@ -1,6 +1,7 @@
 """A run of decoder layers as one C++ call (``kernels.decoder_layers``): what each layer hands it, kept from step
 to step (``LayerArgs``), the runs a model's layers make (``LayerRuns``), what a step hands every layer
-(``layer_step``) and the call itself (``run_layers``). Each layer computes there what its modules compute, the
+(``layer_step``) and the call itself (``run_layers``); and a greedy decode window's steps, layers, final norm and
+lm_head together, in one call (``run_greedy_window``). Each layer computes there what its modules compute, the
 same kernels in the same order.
 """
 
@@ -14,7 +15,8 @@ from typing import Any, ClassVar
 import torch
 
 from aioengine.model.attention import AttentionMetadata
-from aioengine.model.layers import RotaryEmbedding
+from aioengine.model.greedy_screen import GreedyHead
+from aioengine.model.layers import RMSNorm, RotaryEmbedding
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,3 +208,50 @@ def run_layers(
         keep,
     )
     return out
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GreedyWindow:
+    """A decode window's rows as ``kernels.greedy_decode_window`` takes them (``LlamaForCausalLM.greedy_window``)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    block_tables: torch.Tensor
+    steps: torch.Tensor
+    block_size: int
+
+
+def run_greedy_window(
+    runs: list[LayerRun],
+    window: GreedyWindow,
+    embedding: torch.Tensor,
+    rotary: RotaryEmbedding,
+    norm: RMSNorm,
+    head: GreedyHead,
+    kv_caches: list[torch.Tensor],
+) -> torch.Tensor | None:
+    """``window`` in one call: each step the ``embedding``, the layers (``runs``: one run on the kernels, else
+    None), the final ``norm`` and ``head``'s first maximum, as the model runs a step. None where it does not apply."""
+    kernels: Any = runs[0].kernels
+    if len(runs) != 1 or runs[0].stack is None or not hasattr(kernels, "greedy_decode_window"):
+        return None
+    if norm.kernels is not runs[0].kernels or norm.weight.dtype != torch.float32:
+        return None  # its add_and_norm runs torch's ops
+    tokens: torch.Tensor = kernels.greedy_decode_window(
+        runs[0].stack,
+        kv_caches,
+        rotary.cos_cached,
+        rotary.sin_cached,
+        embedding,
+        norm.weight,
+        norm.eps,
+        head.copy,
+        head.bias,
+        window.tokens,
+        window.positions,
+        window.block_tables,
+        window.steps,
+        window.block_size,
+        **head.screen_args(),
+    )
+    return tokens

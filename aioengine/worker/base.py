@@ -78,6 +78,11 @@ class WorkerBase(ABC):
         Returns None when tokens are left to sample; the executor then calls ``sample_tokens``.
         """
 
+    def execute_window(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """A decode window (``num_steps`` > 1) in one go, where the worker can; None: the executor runs its steps
+        one by one through ``execute_model`` and ``sample_tokens`` (``run_window``)."""
+        return None
+
     @abstractmethod
     def sample_tokens(self) -> ModelRunnerOutput:
         """Samples the logits the last ``execute_model`` left (seeds: split so extensions can act between)."""

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from aioengine.int_tensors import int64_tensor
 from aioengine.messages import (
     KVCacheConfig,
     LogprobRows,
@@ -31,8 +32,16 @@ from aioengine.worker.cache_engine import CacheEngine
 from aioengine.worker.graphs import PaddedDecodeRunner
 from aioengine.worker.logprobs import asks_logprobs, known_token_logprobs, sampled_logprobs
 from aioengine.worker.runner_cache import RunnerCache
-from aioengine.worker.step_inputs import DecodeBatch, DecodeWindow, StepInputs, fill_placeholders, prepare_inputs
+from aioengine.worker.step_inputs import (
+    DecodeBatch,
+    DecodeWindow,
+    StepInputs,
+    fill_placeholders,
+    padded_decode_inputs,
+    prepare_inputs,
+)
 from aioengine.worker.step_sampling import RawArgmaxRows, sampling_metadata
+from aioengine.worker.step_window import window_output
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +229,31 @@ class ModelRunner(RunnerCache):
             pending.logits = rows
         self._pending = pending
         return None
+
+    @torch.inference_mode()
+    def execute_window(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """A decode window's steps in one call of the kernels (``model.greedy_window``), where every row takes its raw
+        argmax and the model runs them so; None otherwise (``run_window`` runs them one by one). Leaves nothing to
+        sample."""
+        if self.model is None or self.cache_engine is None:
+            raise RuntimeError("refusing to run a forward: the model or KV cache is not allocated (asleep?)")
+        start = time.perf_counter()
+        sched = fill_placeholders(sched, self._last_sampled)
+        reqs = sched.requests
+        if self._pending is not None or self.decode_kernel is None or not self._fits_decode_runner(reqs):
+            return None
+        if not self._raw_argmax_rows.all_take_it(reqs):
+            return None
+        batch = padded_decode_inputs(reqs, self.device, self.decode_kernel, self.block_size)
+        steps = int64_tensor([r.num_steps for r in reqs], self.device)
+        tokens = self.model.greedy_window(
+            batch.rows[0], batch.rows[1], batch.block_tables, steps, self.cache_engine.device_cache, self.block_size
+        )
+        if tokens is None:
+            return None
+        rows = [(r.req_id, row[: r.num_steps]) for r, row in zip(reqs, tokens.tolist(), strict=True)]
+        self._last_sampled = {req_id: row[-1] for req_id, row in rows}
+        return window_output(sched.step_id, rows, time.perf_counter() - start)
 
     @property
     def pending_logits(self) -> torch.Tensor | None:

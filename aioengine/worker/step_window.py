@@ -4,12 +4,14 @@ their outputs as the one ``ModelRunnerOutput`` the scheduler takes.
 Each step after the first is the step before moved on by one position: every row still within its
 ``ScheduledRequest.num_steps`` computes the token the step before sampled for it (a placeholder: the model runner
 moves the last step's batch on where it can, ``WindowBatch``, else fills it as it fills async scheduling's). Each
-step goes through the worker's own ``execute_model`` and ``sample_tokens``, so a worker extension sees every one.
+step goes through the worker's own ``execute_model`` and ``sample_tokens``, so a worker class that overrides them
+sees every one. Elsewhere a model that can runs the whole window in one call of its kernels (``Worker.execute_window``,
+``window_output``), with the same tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from aioengine.messages import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -34,12 +36,19 @@ def run_window(sched: SchedulerOutput, run_step: Callable[[SchedulerOutput], Mod
                 tokens[req_id] = [token]
             else:
                 row.append(token)
+    merged = window_output(sched.step_id, tokens.items(), seconds)
+    merged.weights_version = output.weights_version
+    return merged
+
+
+def window_output(step_id: int, rows: Iterable[tuple[str, list[int]]], seconds: float) -> ModelRunnerOutput:
+    """A window's outputs as one ``ModelRunnerOutput``: each row's tokens (``(req_id, tokens)``) in turn."""
     req_ids: list[str] = []
     sampled: list[int] = []
-    for req_id, row in tokens.items():
+    for req_id, row in rows:
         req_ids += [req_id] * len(row)
         sampled += row
-    return ModelRunnerOutput(sched.step_id, req_ids, sampled, seconds, weights_version=output.weights_version)
+    return ModelRunnerOutput(step_id, req_ids, sampled, seconds)
 
 
 def _next(r: ScheduledRequest) -> ScheduledRequest:

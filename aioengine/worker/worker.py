@@ -33,6 +33,7 @@ from aioengine.messages import (
 )
 from aioengine.model.parallel import SINGLE, TensorParallel, parse_init_method
 from aioengine.worker.base import WorkerBase
+from aioengine.worker.cache_engine import CacheEngine
 from aioengine.worker.cpu_priority import run_at_priority
 from aioengine.worker.model_runner import ModelRunner
 from aioengine.worker.sleep import SleepBackend, create_sleep_backend
@@ -279,14 +280,7 @@ class Worker(WorkerBase):
 
     # ---- steps -------------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        runner = self._runner()
-        cache = runner.cache_engine
-        if cache is None:
-            raise EngineStateError("execute_model without a KV cache (asleep, or before initialize_from_config)")
-        if not self._backend().weights_valid:
-            raise EngineStateError(
-                "refusing to run a forward: the weights were discarded (sleep level 2); load them again first"
-            )
+        runner, cache = self._runnable("execute_model")
         cache.swap_in(scheduler_output.blocks_to_swap_in)
         cache.swap_out(scheduler_output.blocks_to_swap_out)
         cache.copy(scheduler_output.blocks_to_copy)
@@ -299,6 +293,32 @@ class Worker(WorkerBase):
         output = self._runner().sample_tokens()
         output.weights_version = self.weights_version
         return output
+
+    def execute_window(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The window in one call where the model runs it so (``ModelRunner.execute_window``). Not where a worker
+        class overrides ``execute_model`` or ``sample_tokens`` (it sees every step), nor for a window that moves
+        blocks: ``run_window`` runs those one step at a time."""
+        own = type(self).execute_model is Worker.execute_model and type(self).sample_tokens is Worker.sample_tokens
+        s = scheduler_output
+        if not own or s.blocks_to_swap_in or s.blocks_to_swap_out or s.blocks_to_copy:
+            return None
+        runner, _ = self._runnable("execute_window")
+        output = runner.execute_window(s)
+        if output is not None:
+            output.weights_version = self.weights_version
+        return output
+
+    def _runnable(self, call: str) -> tuple[ModelRunner, CacheEngine]:
+        """The model runner and its KV cache, where a forward may run."""
+        runner = self._runner()
+        cache = runner.cache_engine
+        if cache is None:
+            raise EngineStateError(f"{call} without a KV cache (asleep, or before initialize_from_config)")
+        if not self._backend().weights_valid:
+            raise EngineStateError(
+                "refusing to run a forward: the weights were discarded (sleep level 2); load them again first"
+            )
+        return runner, cache
 
     # ---- profiling, health, shutdown ---------------------------------------------------------------
     def profile(self, is_start: bool = True) -> str | None:
