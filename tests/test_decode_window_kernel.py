@@ -40,14 +40,14 @@ class SteppingWorker(CPUWorker):
         return super().execute_model(scheduler_output)
 
 
-REQUESTS = [
-    ([(7 * i + 3 * j) % 200 + 3 for j in range(5 + 9 * i % 40)], SamplingParams(temperature=0.0, max_tokens=5 + 7 * i))
-    for i in range(10)
-]
-"""Greedy requests of many lengths (rows leave windows part-way, some end on EOS)."""
+PROMPTS = [[(7 * i + 3 * j) % 200 + 3 for j in range(5 + 9 * i % 40)] for i in range(10)]
+PLAIN = [(p, SamplingParams(temperature=0.0, max_tokens=5 + 7 * i)) for i, p in enumerate(PROMPTS)]
+"""Greedy requests of many lengths: rows leave windows part-way."""
 
 
-async def _generate(path: Path, decode_steps: int, worker: str = "auto", **device: Any) -> list[list[int]]:
+async def _generate(
+    path: Path, decode_steps: int, requests: list[tuple[list[int], SamplingParams]], worker: str = "auto", **device: Any
+) -> list[tuple[list[int], str | None]]:
     from aioengine import AsyncEngine
 
     config = engine_config(
@@ -58,32 +58,43 @@ async def _generate(path: Path, decode_steps: int, worker: str = "auto", **devic
     )
     async with AsyncEngine(config) as engine:
 
-        async def one(prompt: list[int], params: SamplingParams) -> list[int]:
+        async def one(prompt: list[int], params: SamplingParams) -> tuple[list[int], str | None]:
             last = None
             async for out in engine.generate(prompt, params):
                 last = out
             assert last is not None
-            return list(last.token_ids)
+            return list(last.token_ids), last.outputs[0].finish_reason
 
-        return list(await asyncio.gather(*(one(p, params) for p, params in REQUESTS)))
+        return list(await asyncio.gather(*(one(p, params) for p, params in requests)))
+
+
+def _with_stops(single: list[tuple[list[int], str | None]]) -> list[tuple[list[int], SamplingParams]]:
+    """PLAIN with two requests ending inside a window: on a stop id, and on EOS, each taken from the request's own
+    output one step at a time (its 7th and 10th token)."""
+    requests = list(PLAIN)
+    requests[3] = (PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[single[3][0][6]]))
+    requests[5] = (PROMPTS[5], SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[single[5][0][9]]))
+    return requests
 
 
 @pytest.mark.parametrize("screen", [True, False], ids=["greedy screen", "float32 head"])
 async def test_windows_in_one_call_give_the_tokens_of_single_steps(llama_ckpt: Path, screen: bool) -> None:
-    single = await _generate(llama_ckpt, 1, cpu_greedy_screen=screen)
+    requests = _with_stops(await _generate(llama_ckpt, 1, PLAIN, cpu_greedy_screen=screen))
+    single = await _generate(llama_ckpt, 1, requests, cpu_greedy_screen=screen)
     CountingWorker.fused = 0
-    windowed = await _generate(llama_ckpt, 4, f"{__name__}.CountingWorker", cpu_greedy_screen=screen)
+    windowed = await _generate(llama_ckpt, 4, requests, f"{__name__}.CountingWorker", cpu_greedy_screen=screen)
     assert windowed == single
+    assert single[3][1] == single[5][1] == "stop" and len(single[3][0]) <= 7 and len(single[5][0]) <= 10
     assert CountingWorker.fused > 0
 
 
 async def test_a_worker_class_that_overrides_execute_model_runs_every_step_of_a_window(llama_ckpt: Path) -> None:
-    single = await _generate(llama_ckpt, 1)
+    single = await _generate(llama_ckpt, 1, PLAIN)
     SteppingWorker.steps = 0
-    stepped = await _generate(llama_ckpt, 4, f"{__name__}.SteppingWorker")
+    stepped = await _generate(llama_ckpt, 4, PLAIN, f"{__name__}.SteppingWorker")
     assert stepped == single
     # Every token after each request's first came from a forward of its own.
-    assert SteppingWorker.steps >= max(len(tokens) for tokens in single)
+    assert SteppingWorker.steps >= max(len(tokens) for tokens, _ in single)
 
 
 def _window_errors(worker: Any) -> list[str]:
@@ -109,12 +120,28 @@ def _window_errors(worker: Any) -> list[str]:
     return messages
 
 
-async def test_inputs_the_window_kernel_cannot_run_are_refused_by_name(llama_ckpt: Path) -> None:
+def _window_stopping(worker: Any) -> tuple[list[int], list[int]]:
+    """One row's window of 4 steps into the free block 1 of an idle engine, run twice: alone, then ending on the
+    token its second step picks."""
+    runner = worker.model_runner
+    model, cache, bs = runner.model, runner.cache_engine.device_cache, runner.block_size
+    one = torch.ones(1, dtype=torch.long)
+    with torch.inference_mode():
+        run = model.greedy_window(one * 5, one * 0, torch.tensor([[1]]), one * 4, cache, bs)
+        stop = torch.tensor([[-1, int(run[0, 1])]])
+        stopped = model.greedy_window(one * 5, one * 0, torch.tensor([[1]]), one * 4, cache, bs, stop)
+    return run[0].tolist(), stopped[0].tolist()
+
+
+async def test_the_window_kernel_refuses_what_it_cannot_run_and_ends_a_row_on_its_stop_id(llama_ckpt: Path) -> None:
     from aioengine import AsyncEngine
     from tests.helpers import final
 
     # Without the screen (which looks at rows before it is read) the head is the kernel's from the first step.
     async with AsyncEngine(engine_config(llama_ckpt, device={"cpu_greedy_screen": False})) as engine:
+        run, stopped = await engine.collective_rpc(_window_stopping, unique_reply_rank=0)
+        end = run.index(run[1])  # the row ends where it first picks that token
+        assert min(run) >= 0 and stopped == [*run[: end + 1], *[-1] * (3 - end)]
         messages = await engine.collective_rpc(_window_errors, unique_reply_rank=0)
         assert "runs 0 steps" in messages[0]
         assert "outside the vocabulary" in messages[1]

@@ -273,12 +273,13 @@ class LlamaForCausalLM(nn.Module):
         steps: torch.Tensor,
         kv_caches: list[torch.Tensor],
         block_size: int,
+        stop_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """A decode window of greedy steps in one call (``kernels.greedy_decode_window``): row b computes
         ``tokens[b]`` at ``positions[b]``, then for ``steps[b]`` - 1 more steps the token the step before picked (as
-        ``greedy_tokens`` picks); ``block_tables`` cover them. Returns [rows, most steps] int64, -1 past a row's
-        last step; None where the model cannot (layers not in one kernel run, the head off the row-block kernels,
-        tensor parallelism)."""
+        ``greedy_tokens`` picks); ``block_tables`` cover them; a row ends on one of its ``stop_ids`` ([rows, S], -1
+        padded). Returns [rows, most steps] int64, -1 past a row's last step; None where the model cannot (layers
+        not in one kernel run, the head off the row-block kernels, tensor parallelism)."""
         rotary, embedding = self.model.rotary_emb, self.model.embed_tokens.weight
         if (
             self.tp.size != 1
@@ -291,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head.greedy_head()
         if head is None:
             return None
-        window = one_call.GreedyWindow(tokens, positions, block_tables, steps, block_size)
+        window = one_call.GreedyWindow(tokens, positions, block_tables, steps, block_size, stop_ids)
         runs = self._layer_runs.get()
         return one_call.run_greedy_window(runs, window, embedding, rotary, self.model.norm, head, kv_caches)
 

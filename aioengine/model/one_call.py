@@ -219,6 +219,8 @@ class GreedyWindow:
     block_tables: torch.Tensor
     steps: torch.Tensor
     block_size: int
+    stop_ids: torch.Tensor | None = None
+    """[rows, S] int64, -1 padded: a row that picks one of its own ends there."""
 
 
 def run_greedy_window(
@@ -252,6 +254,7 @@ def run_greedy_window(
         window.block_tables,
         window.steps,
         window.block_size,
+        window.stop_ids,
         **head.screen_args(),
     )
     return tokens

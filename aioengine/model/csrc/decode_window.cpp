@@ -12,18 +12,20 @@ namespace aioengine_cpu {
 
 #if defined(AIOENGINE_WIDE)
 
-// tokens, positions, steps: [B] int64 (row b's first input token, its position, the steps it runs: >= 1);
+// tokens, positions, steps: [B] int64 (row b's first input token, its position, the steps it runs at most: >= 1);
 // block_tables [B, W] int64, each row's blocks covering every position the row writes; embedding [V, H];
-// the screen's arguments (screen_packed .. screen_rows) as greedy_screen_argmax takes them, all or none.
-// Returns [B, max steps] int64: row b's token of each step it runs, -1 after its last.
+// stop_ids [B, S] int64 (-1 pads): a row that picks one of its own ends there (the engine ends the sequence on it
+// and would drop the row's later tokens); the screen's arguments (screen_packed .. screen_rows) as
+// greedy_screen_argmax takes them, all or none. Returns [B, max steps] int64: row b's token of each step it runs,
+// -1 after its last.
 at::Tensor greedy_decode_window(
     const LayerStack& stack, const std::vector<at::Tensor>& kv_caches, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& embedding, const at::Tensor& final_norm, double final_eps, const PackedLinear& head,
     const c10::optional<at::Tensor>& head_bias, const at::Tensor& tokens, const at::Tensor& positions,
     const at::Tensor& block_tables, const at::Tensor& steps, int64_t block_size,
-    const c10::optional<at::Tensor>& screen_packed, const c10::optional<at::Tensor>& screen_norms,
-    const c10::optional<at::Tensor>& screen_order, int64_t screen_int8_dims,
-    const c10::optional<at::Tensor>& screen_rows) {
+    const c10::optional<at::Tensor>& stop_ids, const c10::optional<at::Tensor>& screen_packed,
+    const c10::optional<at::Tensor>& screen_norms, const c10::optional<at::Tensor>& screen_order,
+    int64_t screen_int8_dims, const c10::optional<at::Tensor>& screen_rows) {
   const int64_t B = tokens.numel();
   for (const at::Tensor* t : {&tokens, &positions, &steps}) {
     TORCH_CHECK(t->dim() == 1 && t->numel() == B && t->scalar_type() == at::kLong && t->device().is_cpu(),
@@ -35,6 +37,12 @@ at::Tensor greedy_decode_window(
   TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == at::kFloat && embedding.is_contiguous(),
               "greedy_decode_window: the embedding must be a contiguous float32 [vocab, hidden]");
   TORCH_CHECK(block_size > 0, "greedy_decode_window: block_size must be positive");
+  TORCH_CHECK(!stop_ids.has_value() || (stop_ids->dim() == 2 && stop_ids->size(0) == B &&
+                                        stop_ids->scalar_type() == at::kLong && stop_ids->device().is_cpu()),
+              "greedy_decode_window: stop_ids must be [", B, ", S] int64 on the CPU");
+  const at::Tensor stops = stop_ids.has_value() ? stop_ids->contiguous() : at::empty({B, 0}, tokens.options());
+  const int64_t S = stops.size(1);
+  const int64_t* stp = stops.data_ptr<int64_t>();
   TORCH_CHECK(screen_packed.has_value() == screen_norms.has_value() &&
                   screen_packed.has_value() == screen_order.has_value(),
               "greedy_decode_window: the screen's packed copy, norms and order come together");
@@ -54,6 +62,7 @@ at::Tensor greedy_decode_window(
 
   // The rows still running, compacted in order: their row in `out`, token, position, and block table.
   std::vector<int64_t> rows(static_cast<size_t>(B));
+  std::vector<char> stopped(static_cast<size_t>(B), 0);  // by row in `out`
   for (int64_t b = 0; b < B; ++b) rows[b] = b;
   at::Tensor tok = tokens.clone(), pos = positions.clone();
   at::Tensor slots = at::empty({B}, tokens.options()), lens = at::empty({B}, tokens.options());
@@ -63,7 +72,7 @@ at::Tensor greedy_decode_window(
     int64_t* pp = pos.data_ptr<int64_t>();
     int64_t* tb = tables.data_ptr<int64_t>();
     for (int64_t k = 0; k < static_cast<int64_t>(rows.size()); ++k) {
-      if (st[rows[k]] <= i) continue;
+      if (st[rows[k]] <= i || stopped[rows[k]]) continue;
       if (n != k) {
         rows[n] = rows[k], tp[n] = tp[k], pp[n] = pp[k];
         std::memmove(tb + n * W, tb + k * W, static_cast<size_t>(W) * sizeof(int64_t));
@@ -71,6 +80,7 @@ at::Tensor greedy_decode_window(
       ++n;
     }
     rows.resize(static_cast<size_t>(n));
+    if (n == 0) break;  // every row stopped
     int64_t* sp = slots.data_ptr<int64_t>();
     int64_t* lp = lens.data_ptr<int64_t>();
     for (int64_t k = 0; k < n; ++k) {
@@ -103,6 +113,8 @@ at::Tensor greedy_decode_window(
       op[rows[k] * most + i] = np[k];
       tp[k] = np[k];
       pp[k] += 1;
+      const int64_t* own = stp + rows[k] * S;
+      stopped[rows[k]] = std::find(own, own + S, np[k]) != own + S;
     }
   }
   return out;

@@ -112,9 +112,9 @@ at::Tensor greedy_decode_window(
     const at::Tensor& embedding, const at::Tensor& final_norm, double final_eps, const PackedLinear& head,
     const c10::optional<at::Tensor>& head_bias, const at::Tensor& tokens, const at::Tensor& positions,
     const at::Tensor& block_tables, const at::Tensor& steps, int64_t block_size,
-    const c10::optional<at::Tensor>& screen_packed, const c10::optional<at::Tensor>& screen_norms,
-    const c10::optional<at::Tensor>& screen_order, int64_t screen_int8_dims,
-    const c10::optional<at::Tensor>& screen_rows);
+    const c10::optional<at::Tensor>& stop_ids, const c10::optional<at::Tensor>& screen_packed,
+    const c10::optional<at::Tensor>& screen_norms, const c10::optional<at::Tensor>& screen_order,
+    int64_t screen_int8_dims, const c10::optional<at::Tensor>& screen_rows);
 #endif
 
 }  // namespace aioengine_cpu

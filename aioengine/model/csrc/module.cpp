@@ -73,12 +73,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release_gil());
   m.def("greedy_decode_window", &greedy_decode_window, "A window of greedy decode steps: each the embedding, "
         "decoder_layers, the final norm and the lm_head's first maximum (the screen's where given), its tokens the "
-        "next step's; returns [rows, steps] int64, -1 past a row's steps (CPU, float32, AVX-512 or AVX2)",
+        "next step's, a row ending on one of its stop ids; returns [rows, steps] int64, -1 past a row's last step "
+        "(CPU, float32, AVX-512 or AVX2)",
         py::arg("stack"), py::arg("kv_caches"), py::arg("cos"), py::arg("sin"), py::arg("embedding"),
         py::arg("final_norm"), py::arg("final_eps"), py::arg("head"), py::arg("head_bias"), py::arg("tokens"),
         py::arg("positions"), py::arg("block_tables"), py::arg("steps"), py::arg("block_size"),
-        py::arg("screen_packed") = py::none(), py::arg("screen_norms") = py::none(),
-        py::arg("screen_order") = py::none(), py::arg("screen_int8_dims") = 0, py::arg("screen_rows") = py::none(),
+        py::arg("stop_ids") = py::none(), py::arg("screen_packed") = py::none(),
+        py::arg("screen_norms") = py::none(), py::arg("screen_order") = py::none(), py::arg("screen_int8_dims") = 0,
+        py::arg("screen_rows") = py::none(),
         release_gil());
   m.def("paged_prefill_attention", &paged_prefill_attention, "Causal attention of one prefill chunk over its paged "
         "context, in place into out (CPU, float32, AVX-512 or AVX2)", py::arg("q"), py::arg("kv_cache"),
