@@ -158,7 +158,7 @@ class SchedulerConfig(_Section):
         ),
     )
     decode_steps: int = Field(
-        4,
+        8,
         ge=1,
         description=(
             "Most decode steps the workers run back to back as one step (a decode window) while every running "
