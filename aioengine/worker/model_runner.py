@@ -237,10 +237,12 @@ class ModelRunner(RunnerCache):
         sample."""
         if self.model is None or self.cache_engine is None:
             raise RuntimeError("refusing to run a forward: the model or KV cache is not allocated (asleep?)")
+        if self._pending is not None or self.decode_kernel is None:
+            return None
         start = time.perf_counter()
         sched = fill_placeholders(sched, self._last_sampled)
         reqs = sched.requests
-        if self._pending is not None or self.decode_kernel is None or not self._fits_decode_runner(reqs):
+        if not all(len(r.token_ids) == 1 and r.sample and r.prompt_logprobs is None for r in reqs):
             return None
         if not self._raw_argmax_rows.all_take_it(reqs):
             return None
