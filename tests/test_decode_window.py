@@ -12,6 +12,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -323,10 +324,14 @@ def test_a_window_step_answering_logprobs_is_refused() -> None:
 
 
 # ---- the engine ---------------------------------------------------------------------------------------------
-async def _generate_all(path: Path, decode_steps: int, requests: list[tuple[list[int], SamplingParams]]) -> tuple:
+async def generate_all(
+    path: Path, decode_steps: int, requests: list[tuple[list[int], SamplingParams]], **sections: Any
+) -> tuple:
+    """Each request's tokens and finish reason, and the engine's step count, with windows of up to ``decode_steps``
+    (``sections``: more of the config)."""
     from aioengine import AsyncEngine
 
-    config = engine_config(path, scheduler={"decode_steps": decode_steps, "decode_window_s": 10.0})
+    config = engine_config(path, scheduler={"decode_steps": decode_steps, "decode_window_s": 10.0}, **sections)
     async with AsyncEngine(config) as engine:
 
         async def one(prompt: list[int], params: SamplingParams) -> tuple[list[int], str | None]:
@@ -347,12 +352,12 @@ async def test_windows_give_the_tokens_single_steps_give(llama_ckpt: Path) -> No
     plain = [
         (p, SamplingParams(temperature=0.0, max_tokens=5 + 7 * i, ignore_eos=i % 2 == 0)) for i, p in enumerate(prompts)
     ]
-    single, single_steps = await _generate_all(llama_ckpt, 1, plain)
+    single, single_steps = await generate_all(llama_ckpt, 1, plain)
     # A stop id taken from a request's own single-step output: the request must end there, inside a window.
     stop = single[3][0][6]
     plain[3] = (prompts[3], SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop]))
-    single, single_steps = await _generate_all(llama_ckpt, 1, plain)
-    windowed, windowed_steps = await _generate_all(llama_ckpt, 4, plain)
+    single, single_steps = await generate_all(llama_ckpt, 1, plain)
+    windowed, windowed_steps = await generate_all(llama_ckpt, 4, plain)
     assert windowed == single
     assert single[3][1] == "stop" and len(single[3][0]) <= 7
     assert windowed_steps < single_steps

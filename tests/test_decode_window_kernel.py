@@ -4,7 +4,6 @@ overrides ``execute_model`` or ``sample_tokens``; clear errors for inputs the ke
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from aioengine.messages import ModelRunnerOutput, SchedulerOutput
 from aioengine.sampling.params import SamplingParams
 from aioengine.worker.cpu_worker import CPUWorker
 from tests.conftest import engine_config
+from tests.test_decode_window import generate_all
 
 pytestmark = pytest.mark.usefixtures("kernel")  # the kernels build here, or these skip
 
@@ -48,29 +48,13 @@ PLAIN = [(p, SamplingParams(temperature=0.0, max_tokens=5 + 7 * i)) for i, p in 
 async def _generate(
     path: Path, decode_steps: int, requests: list[tuple[list[int], SamplingParams]], worker: str = "auto", **device: Any
 ) -> list[tuple[list[int], str | None]]:
-    from aioengine import AsyncEngine
-
-    config = engine_config(
-        path,
-        scheduler={"decode_steps": decode_steps, "decode_window_s": 10.0},
-        parallel={"worker_cls": worker},
-        device=device,
-    )
-    async with AsyncEngine(config) as engine:
-
-        async def one(prompt: list[int], params: SamplingParams) -> tuple[list[int], str | None]:
-            last = None
-            async for out in engine.generate(prompt, params):
-                last = out
-            assert last is not None
-            return list(last.token_ids), last.outputs[0].finish_reason
-
-        return list(await asyncio.gather(*(one(p, params) for p, params in requests)))
+    results, _ = await generate_all(path, decode_steps, requests, parallel={"worker_cls": worker}, device=device)
+    return list(results)
 
 
 def _with_stops(single: list[tuple[list[int], str | None]]) -> list[tuple[list[int], SamplingParams]]:
-    """PLAIN with two requests ending inside a window: on a stop id, and on EOS, each taken from the request's own
-    output one step at a time (its 7th and 10th token)."""
+    """PLAIN with two requests ending inside a window on a stop id (the kernel ends a row on its stop ids and EOS
+    alike), each taken from the request's own output one step at a time (its 7th and 10th token)."""
     requests = list(PLAIN)
     requests[3] = (PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[single[3][0][6]]))
     requests[5] = (PROMPTS[5], SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[single[5][0][9]]))
