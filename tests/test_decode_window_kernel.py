@@ -104,17 +104,20 @@ def _window_errors(worker: Any) -> list[str]:
     return messages
 
 
-def _window_stopping(worker: Any) -> tuple[list[int], list[int]]:
-    """One row's window of 4 steps into the free block 1 of an idle engine, run twice: alone, then ending on the
-    token its second step picks."""
+def _window_stopping(worker: Any) -> tuple[list[int], list[int], list[int]]:
+    """One row's window of 4 steps into the free block 1 of an idle engine, run three times: alone, from strided
+    views of the same inputs, then ending on the token its second step picks."""
     runner = worker.model_runner
     model, cache, bs = runner.model, runner.cache_engine.device_cache, runner.block_size
     one = torch.ones(1, dtype=torch.long)
+    every_other = torch.tensor([5, 9, 0, 9, 4, 9])  # token, position and steps at stride 2
     with torch.inference_mode():
         run = model.greedy_window(one * 5, one * 0, torch.tensor([[1]]), one * 4, cache, bs)
+        token, position, steps = every_other[0:2:2], every_other[2:4:2], every_other[4:6:2]
+        strided = model.greedy_window(token, position, torch.tensor([[1, 7]])[:, ::2], steps, cache, bs)
         stop = torch.tensor([[-1, int(run[0, 1])]])
         stopped = model.greedy_window(one * 5, one * 0, torch.tensor([[1]]), one * 4, cache, bs, stop)
-    return run[0].tolist(), stopped[0].tolist()
+    return run[0].tolist(), strided[0].tolist(), stopped[0].tolist()
 
 
 async def test_the_window_kernel_refuses_what_it_cannot_run_and_ends_a_row_on_its_stop_id(llama_ckpt: Path) -> None:
@@ -123,9 +126,10 @@ async def test_the_window_kernel_refuses_what_it_cannot_run_and_ends_a_row_on_it
 
     # Without the screen (which looks at rows before it is read) the head is the kernel's from the first step.
     async with AsyncEngine(engine_config(llama_ckpt, device={"cpu_greedy_screen": False})) as engine:
-        run, stopped = await engine.collective_rpc(_window_stopping, unique_reply_rank=0)
+        run, strided, stopped = await engine.collective_rpc(_window_stopping, unique_reply_rank=0)
+        assert min(run) >= 0 and strided == run
         end = run.index(run[1])  # the row ends where it first picks that token
-        assert min(run) >= 0 and stopped == [*run[: end + 1], *[-1] * (3 - end)]
+        assert stopped == [*run[: end + 1], *[-1] * (3 - end)]
         messages = await engine.collective_rpc(_window_errors, unique_reply_rank=0)
         assert "runs 0 steps" in messages[0]
         assert "outside the vocabulary" in messages[1]

@@ -51,7 +51,8 @@ at::Tensor greedy_decode_window(
 #endif
   const int64_t W = block_tables.size(1), vocab = embedding.size(0);
   at::Tensor tables = block_tables.clone(at::MemoryFormat::Contiguous);  // compacted as rows leave
-  const int64_t* st = steps.contiguous().data_ptr<int64_t>();
+  const at::Tensor steps_of = steps.contiguous();  // held: st points into it
+  const int64_t* st = steps_of.data_ptr<int64_t>();
   int64_t most = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(st[b] >= 1, "greedy_decode_window: row ", b, " runs ", st[b], " steps");
@@ -64,7 +65,7 @@ at::Tensor greedy_decode_window(
   std::vector<int64_t> rows(static_cast<size_t>(B));
   std::vector<char> stopped(static_cast<size_t>(B), 0);  // by row in `out`
   for (int64_t b = 0; b < B; ++b) rows[b] = b;
-  at::Tensor tok = tokens.clone(), pos = positions.clone();
+  at::Tensor tok = tokens.clone(at::MemoryFormat::Contiguous), pos = positions.clone(at::MemoryFormat::Contiguous);
   at::Tensor slots = at::empty({B}, tokens.options()), lens = at::empty({B}, tokens.options());
   for (int64_t i = 0; i < most; ++i) {
     int64_t n = 0;  // rows that run step i, moved to the front
