@@ -232,8 +232,9 @@ def run_greedy_window(
     head: GreedyHead,
     kv_caches: list[torch.Tensor],
 ) -> torch.Tensor | None:
-    """``window`` in one call: each step the ``embedding``, the layers (``runs``: one run on the kernels, else
-    None), the final ``norm`` and ``head``'s first maximum, as the model runs a step. None where it does not apply."""
+    """``window`` in one call: each step the ``embedding``, the layers, the final ``norm`` and ``head``'s first
+    maximum, as the model runs a step. None where that call does not apply: the layers not one run on the kernels
+    (``runs``), or a final norm that runs torch's ops."""
     kernels: Any = runs[0].kernels
     if len(runs) != 1 or runs[0].stack is None or not hasattr(kernels, "greedy_decode_window"):
         return None
