@@ -40,7 +40,7 @@ from aioengine.worker.step_inputs import (
     padded_decode_inputs,
     prepare_inputs,
 )
-from aioengine.worker.step_sampling import RawArgmaxRows, sampling_metadata
+from aioengine.worker.step_sampling import RawArgmaxRows, sampling_metadata, window_stop_ids
 from aioengine.worker.step_window import window_output
 
 logger = logging.getLogger(__name__)
@@ -249,7 +249,7 @@ class ModelRunner(RunnerCache):
         batch = padded_decode_inputs(reqs, self.device, self.decode_kernel, self.block_size)
         steps = int64_tensor([r.num_steps for r in reqs], self.device)
         caches = self.cache_engine.device_cache
-        stops = self._stop_ids(reqs)
+        stops = window_stop_ids(reqs, self.eos_token_ids, self.device)
         tokens = self.model.greedy_window(
             batch.rows[0], batch.rows[1], batch.block_tables, steps, caches, self.block_size, stops
         )
@@ -259,19 +259,6 @@ class ModelRunner(RunnerCache):
         rows = [(r.req_id, [t for t in row if t >= 0]) for r, row in zip(reqs, tokens.tolist(), strict=True)]
         self._last_sampled = {req_id: row[-1] for req_id, row in rows}
         return window_output(sched.step_id, rows, time.perf_counter() - start)
-
-    def _stop_ids(self, reqs: list[ScheduledRequest]) -> torch.Tensor | None:
-        """[rows, S] int64, -1 padded: each row's stop ids and, unless it ignores EOS, the EOS ids; the tokens on
-        which the scheduler ends the sequence (a window's rows are all past ``min_tokens``). None: none has any."""
-        stops = []
-        for r in reqs:
-            assert r.sampling is not None
-            stops.append([*r.sampling.stop_token_ids, *(() if r.sampling.ignore_eos else self.eos_token_ids)])
-        width = max(map(len, stops), default=0)
-        if not width:
-            return None
-        flat = [t for row in stops for t in (*row, *[-1] * (width - len(row)))]
-        return int64_tensor(flat, self.device).view(len(reqs), width)
 
     @property
     def pending_logits(self) -> torch.Tensor | None:
