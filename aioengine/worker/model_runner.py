@@ -242,9 +242,8 @@ class ModelRunner(RunnerCache):
         start = time.perf_counter()
         sched = fill_placeholders(sched, self._last_sampled)
         reqs = sched.requests
-        if not all(len(r.token_ids) == 1 and r.sample and r.prompt_logprobs is None for r in reqs):
-            return None
-        if not self._raw_argmax_rows.all_take_it(reqs):
+        # decode rows that all sample (all_take_it refuses a row without sampling) their raw argmax
+        if not _one_token_rows(reqs) or not self._raw_argmax_rows.all_take_it(reqs):
             return None
         batch = padded_decode_inputs(reqs, self.device, self.decode_kernel, self.block_size)
         steps = int64_tensor([r.num_steps for r in reqs], self.device)
@@ -330,11 +329,7 @@ class ModelRunner(RunnerCache):
 
     def _fits_decode_runner(self, reqs: list[ScheduledRequest]) -> bool:
         runner = self.decode_runner
-        return (
-            runner is not None
-            and len(reqs) <= runner.max_batch_size
-            and all(len(r.token_ids) == 1 and r.prompt_logprobs is None for r in reqs)
-        )
+        return runner is not None and len(reqs) <= runner.max_batch_size and _one_token_rows(reqs)
 
     def _run_padded_decode(
         self, reqs: list[ScheduledRequest], batch: DecodeBatch, lazy: bool
@@ -348,6 +343,11 @@ class ModelRunner(RunnerCache):
         if len(rows) < len(reqs):  # a one-token prefill chunk that does not end its prompt
             out = out[rows]
         return [reqs[i] for i in rows], out
+
+
+def _one_token_rows(reqs: list[ScheduledRequest]) -> bool:
+    """Whether every row computes one token and asks no prompt logprobs: a decode batch's rows."""
+    return all(len(r.token_ids) == 1 and r.prompt_logprobs is None for r in reqs)
 
 
 @dataclass(slots=True)
